@@ -1,0 +1,12 @@
+# Shortcuts for course.py, which does the work (and needs nothing but Python >= 3.10).
+.PHONY: setup lab test bench clean
+setup:
+	python3 course.py setup
+lab:
+	python3 course.py lab
+test:
+	python3 course.py test
+bench:
+	python3 course.py bench
+clean:
+	rm -rf .venv .pytest_cache build *.egg-info

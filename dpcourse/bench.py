@@ -1,0 +1,90 @@
+"""Benchmark: `python -m dpcourse.bench`. Every ratio compares timings taken side by side."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .collectives import allreduce, get_params
+from .hardware import devices, synchronize
+from .lenet import init_lenet_params, lenet, loss
+from .ring import ring_allreduce
+from .training import sgd, train_batch
+
+
+def interleaved(cases: dict[str, Callable[[], None]], repeats: int,
+                devs: list[torch.device]) -> dict[str, float]:
+    """Median seconds per case, timing the cases round-robin so drifts hit all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for fn in cases.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            synchronize(devs)
+            start = time.perf_counter()
+            fn()
+            synchronize(devs)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_train_batch(batch_size: int, repeats: int) -> None:
+    X, y = torch.rand(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
+    params = init_lenet_params(0, scale=0.1)
+    plain = get_params(params, torch.device("cpu"))
+
+    def plain_step() -> None:
+        loss(lenet(X, plain), y).sum().backward()
+        sgd(plain, 0.2, batch_size)
+
+    cases = {"plain step, 1 device": plain_step}
+    for k in (1, 2, 4, 8):
+        devs = devices(k, simulate=True)
+        dp = [get_params(params, d) for d in devs]
+        cases[f"train_batch, k={k}"] = (lambda dp=dp, devs=devs:
+                                        train_batch(X, y, dp, devs, 0.2))
+    result = interleaved(cases, repeats, [])
+    base = result["plain step, 1 device"]
+    print(f"\nOne SGD step of LeNet on a batch of {batch_size}, simulated CPU devices "
+          f"(median of {repeats}):")
+    for name, t in result.items():
+        print(f"  {name:22s} {t * 1e3:8.1f} ms   x{t / base:.2f} of the plain step")
+
+
+def bench_allreduce(repeats: int) -> None:
+    lenet_grads = init_lenet_params(0)
+    n_lenet = sum(p.numel() for p in lenet_grads)
+    print(f"\nallreduce vs ring_allreduce in place on simulated CPU devices (median of {repeats});"
+          "\n'busiest' is the most elements one device sends, as a multiple of the tensor size N:")
+    print(f"  {'tensors':32s} {'k':>2s} {'naive ms':>9s} {'ring ms':>9s} {'ring/naive':>10s}"
+          f" {'busiest naive':>14s} {'busiest ring':>13s}")
+    for label, shapes in ((f"LeNet gradient ({n_lenet:,} floats)", [p.shape for p in lenet_grads]),
+                          ("16 MiB tensor", [(4 * 2**20,)])):
+        for k in (2, 4, 8):
+            per_device = [[torch.randn(s) for s in shapes] for _ in range(k)]
+            cases = {c.__name__: (lambda c=c: [c(list(ts)) for ts in zip(*per_device)])
+                     for c in (allreduce, ring_allreduce)}
+            r = interleaved(cases, repeats, [])
+            naive, ring = r["allreduce"] * 1e3, r["ring_allreduce"] * 1e3
+            n = sum(t.numel() for t in per_device[0])
+            busiest = [max(map(sum, zip(*[c(list(ts)) for ts in zip(*per_device)]))) / n
+                       for c in (allreduce, ring_allreduce)]
+            print(f"  {label:32s} {k:2d} {naive:9.2f} {ring:9.2f} {ring / naive:10.2f}"
+                  f" {busiest[0]:13.2f}N {busiest[1]:12.2f}N")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=256)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    bench_train_batch(args.batch_size, args.repeats)
+    bench_allreduce(args.repeats)
+
+
+if __name__ == "__main__":
+    main()

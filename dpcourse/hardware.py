@@ -1,0 +1,65 @@
+"""Chapter 00: which devices the course runs on, real or simulated."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def accelerators() -> list[torch.device]:
+    """The real accelerators of this machine: every CUDA GPU, else Apple's MPS, else none."""
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        return [torch.device("mps")]
+    return []
+
+
+def devices(n: int | None = None, *, simulate: bool = False) -> list[torch.device]:
+    """n devices: real accelerators when at least n exist, else n simulated ones (announced).
+
+    Simulated devices are the CPU (``cpu:0``, ``cpu:1``, ...) or the accelerators present,
+    round-robin. ``n=None`` means every real accelerator, or one CPU. ``simulate=True``
+    always gives n simulated CPU devices, so a result does not depend on the machine.
+    """
+    real = [] if simulate else accelerators()
+    if n is None:
+        return real or [torch.device("cpu")]
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"devices(n) needs a whole number n >= 1, got {n!r}")
+    if len(real) >= n:
+        return real[:n]
+    if real:
+        kind = real[0].type.upper() if real[0].type != "cuda" else "GPU"
+        print(f"{n} devices requested, {len(real)} {kind}{'s' if len(real) > 1 else ''}: "
+              f"simulating {n} devices round-robin on {', '.join(map(str, real))}")
+        return [real[i % len(real)] for i in range(n)]
+    reason = "simulation requested" if simulate else "0 GPUs"
+    print(f"{n} devices requested, {reason}: simulating {n} devices on the CPU")
+    return [torch.device("cpu", i) for i in range(n)]
+
+
+def synchronize(devs: list[torch.device]) -> None:
+    """Wait until every queued kernel on devs has finished (a no-op on the CPU)."""
+    for d in devs:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+        elif d.type == "mps":
+            torch.mps.synchronize()
+
+
+class Timer:
+    """Wall-clock timer that synchronises devs before reading the clock."""
+
+    def __init__(self, devs: list[torch.device] | None = None) -> None:
+        self.devs = devs or []
+        self.times: list[float] = []
+
+    def __enter__(self) -> "Timer":
+        synchronize(self.devs)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        synchronize(self.devs)
+        self.times.append(time.perf_counter() - self._start)

@@ -1,0 +1,28 @@
+"""Chapter 02: the textbook's LeNet, written with bare parameter tensors."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LENET_SHAPES = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
+
+
+def init_lenet_params(seed: int = 0, scale: float = 0.01) -> list[torch.Tensor]:
+    """LeNet's eight parameters on the CPU: weights ``randn * scale``, biases zero."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) * scale if len(s) > 1 else torch.zeros(s)
+            for s in LENET_SHAPES]
+
+
+def lenet(X: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """Logits for images X of shape (n, 1, 28, 28): two conv/relu/avg-pool stages, two dense."""
+    W1, b1, W2, b2, W3, b3, W4, b4 = params
+    h = F.avg_pool2d(F.relu(F.conv2d(X, W1, b1)), kernel_size=2, stride=2)
+    h = F.avg_pool2d(F.relu(F.conv2d(h, W2, b2)), kernel_size=2, stride=2)
+    h = F.relu(h.reshape(h.shape[0], -1) @ W3 + b3)
+    return h @ W4 + b4
+
+
+def loss(y_hat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross entropy per example (the caller sums, so shards add up to the whole batch)."""
+    return F.cross_entropy(y_hat, y, reduction="none")

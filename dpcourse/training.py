@@ -1,0 +1,135 @@
+"""Chapter 05: hand-written data-parallel training of LeNet on k devices."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .collectives import allreduce, check_devices, get_params
+from .data import load_fashion_mnist
+from .hardware import Timer, devices
+from .lenet import init_lenet_params, lenet, loss
+from .split import split_batch
+
+
+def sgd(params: list[torch.Tensor], lr: float, batch_size: int) -> None:
+    """One SGD step with gradients summed over batch_size examples; clears the gradients."""
+    with torch.no_grad():
+        for p in params:
+            p -= lr * p.grad / batch_size
+            p.grad = None
+
+
+def train_batch(X: torch.Tensor, y: torch.Tensor, device_params: list[list[torch.Tensor]],
+                devs: list[torch.device], lr: float) -> torch.Tensor:
+    """One data-parallel SGD step: forward/backward per device, allreduce, identical update.
+
+    Returns the summed loss of the batch (a tensor on the first device).
+    """
+    check_devices(devs, "train_batch")
+    if len(device_params) != len(devs):
+        raise ValueError(f"got parameters for {len(device_params)} devices "
+                         f"but {len(devs)} devices")
+    X_shards, y_shards = split_batch(X, y, devs)
+    losses = [loss(lenet(Xs, p), ys).sum()
+              for Xs, ys, p in zip(X_shards, y_shards, device_params)]
+    for l in losses:
+        l.backward()
+    for params in device_params[len(losses):]:  # idle devices: a batch smaller than k
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    for grads in zip(*[[p.grad for p in params] for params in device_params]):
+        allreduce(list(grads))
+    for params in device_params:
+        sgd(params, lr, X.shape[0])
+    return sum(l.detach().to(devs[0]) for l in losses)
+
+
+def evaluate_accuracy(data_iter, device_params: list[list[torch.Tensor]],
+                      devs: list[torch.device]) -> float:
+    """Test accuracy with each batch split across all devices, each using its own replica."""
+    correct, total = 0, 0
+    with torch.no_grad():
+        for X, y in data_iter:
+            X_shards, y_shards = split_batch(X, y, devs)
+            correct += sum(int((lenet(Xs, p).argmax(1) == ys).sum())
+                           for Xs, ys, p in zip(X_shards, y_shards, device_params))
+            total += y.numel()
+    return correct / total
+
+
+@dataclass
+class Settings:
+    """Training settings; `for_devices` sizes them to the hardware."""
+    batch_size: int = 256
+    lr: float = 0.2
+    num_epochs: int = 10
+    init_scale: float = 0.01  # the textbook's; LeNet then needs a few hundred steps to start
+    train_size: int | None = None  # None: the whole split
+    test_size: int | None = None
+
+    @classmethod
+    def for_devices(cls, devs: list[torch.device]) -> "Settings":
+        """The textbook's settings on accelerators. On the CPU: a subset, fewer epochs, and
+        weights drawn 10x larger so that LeNet leaves its initial plateau within 48 steps."""
+        if all(d.type == "cpu" for d in devs):
+            return cls(num_epochs=3, init_scale=0.1, train_size=4_096, test_size=1_024)
+        return cls()
+
+
+@dataclass
+class TrainResult:
+    """What a training run measured, epoch by epoch."""
+    devices: list[str]
+    settings: Settings
+    data: str
+    train_loss: list[float] = field(default_factory=list)
+    test_acc: list[float] = field(default_factory=list)
+    epoch_seconds: list[float] = field(default_factory=list)
+    replica_spread: float = 0.0  # largest difference between any replica and device 0's
+
+    @property
+    def seconds_per_epoch(self) -> float:
+        return sum(self.epoch_seconds) / len(self.epoch_seconds)
+
+    def __str__(self) -> str:
+        return (f"{len(self.devices)} device(s): test acc {self.test_acc[-1]:.3f}, "
+                f"{self.seconds_per_epoch:.2f} s/epoch on {', '.join(self.devices)}")
+
+
+def train(num_devices: int | None = None, batch_size: int | None = None,
+          lr: float | None = None, num_epochs: int | None = None, *,
+          devs: list[torch.device] | None = None, train_size: int | None = None,
+          test_size: int | None = None, seed: int = 0, source: str | None = None,
+          progress: bool = True) -> TrainResult:
+    """Train LeNet with train_batch on num_devices devices (or devs); unset settings come from
+    Settings.for_devices."""
+    devs = devs or devices(num_devices)
+    s = Settings.for_devices(devs)
+    s.batch_size, s.lr = batch_size or s.batch_size, lr or s.lr
+    s.num_epochs = num_epochs or s.num_epochs
+    s.train_size, s.test_size = train_size or s.train_size, test_size or s.test_size
+    train_iter, test_iter = load_fashion_mnist(s.batch_size, s.train_size, s.test_size,
+                                               source, seed)
+    params = init_lenet_params(seed, s.init_scale)
+    device_params = [get_params(params, d) for d in devs]
+    result = TrainResult([str(d) for d in devs], s, train_iter.dataset.source)
+    timer = Timer(devs)
+    bar = tqdm(total=s.num_epochs * len(train_iter), desc=f"{len(devs)} device(s)",
+               disable=not progress)
+    for epoch in range(s.num_epochs):
+        total = torch.zeros((), device=devs[0])
+        with timer:
+            for X, y in train_iter:
+                total += train_batch(X, y, device_params, devs, s.lr)
+                bar.update()
+        result.epoch_seconds.append(timer.times[-1])
+        result.train_loss.append(float(total) / len(train_iter.dataset))
+        result.test_acc.append(evaluate_accuracy(test_iter, device_params, devs))
+        bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", acc=f"{result.test_acc[-1]:.3f}")
+    bar.close()
+    result.replica_spread = max((float((p - q.to(p.device)).abs().max().detach())
+                                 for params in device_params[1:]
+                                 for p, q in zip(params, device_params[0])), default=0.0)
+    return result
