@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 LENET_SHAPES = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
 
@@ -26,3 +27,14 @@ def lenet(X: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
 def loss(y_hat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross entropy per example (the caller sums, so shards add up to the whole batch)."""
     return F.cross_entropy(y_hat, y, reduction="none")
+
+
+class LeNet(nn.Module):
+    """The same LeNet as an nn.Module, for the wrappers of chapter 06 (nn.DataParallel and ours)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList([nn.Parameter(p.detach().clone()) for p in params])
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return lenet(X, list(self.params))

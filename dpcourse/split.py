@@ -15,6 +15,11 @@ def check_batch(X: torch.Tensor, y: torch.Tensor) -> None:
         raise ValueError("empty batch: X and y have no examples")
 
 
+def scatter(t: torch.Tensor, devs: list[torch.device]) -> list[torch.Tensor]:
+    """Chunks of t along dim 0, one per device in order (torch.chunk, as nn.parallel.scatter)."""
+    return [chunk.to(d) for chunk, d in zip(t.chunk(len(devs)), devs)]
+
+
 def split_batch(X: torch.Tensor, y: torch.Tensor, devs: list[torch.device]
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Shards of X and y, one per device, with nn.DataParallel's sizes (torch.chunk on dim 0).
@@ -23,6 +28,4 @@ def split_batch(X: torch.Tensor, y: torch.Tensor, devs: list[torch.device]
     """
     check_devices(devs, "split_batch")
     check_batch(X, y)
-    X_shards = [x.to(d) for x, d in zip(X.chunk(len(devs)), devs)]
-    y_shards = [t.to(d) for t, d in zip(y.chunk(len(devs)), devs)]
-    return X_shards, y_shards
+    return scatter(X, devs), scatter(y, devs)

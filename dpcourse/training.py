@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -82,7 +83,7 @@ class Settings:
 class TrainResult:
     """What a training run measured, epoch by epoch."""
     devices: list[str]
-    settings: Settings
+    settings: Any  # Settings, or chapter 06's ResNetSettings
     data: str
     train_loss: list[float] = field(default_factory=list)
     test_acc: list[float] = field(default_factory=list)

@@ -1,0 +1,72 @@
+"""Chapter 06: training any nn.Module on k devices through a data-parallel wrapper."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .data import load_fashion_mnist
+from .hardware import Timer
+from .training import TrainResult
+
+
+@dataclass
+class ResNetSettings:
+    """The textbook's concise section, per device: batch 256 and lr 0.1, 10 epochs."""
+    batch_per_device: int = 256
+    lr_per_device: float = 0.1
+    num_epochs: int = 10
+    train_size: int | None = None
+    test_size: int | None = None
+
+    @classmethod
+    def for_devices(cls, devs: list[torch.device]) -> "ResNetSettings":
+        """The textbook's on accelerators; on the CPU a few steps (ResNet-18 is ~40 ms per image)."""
+        if all(d.type == "cpu" for d in devs):
+            return cls(batch_per_device=32, num_epochs=1, train_size=128, test_size=128)
+        return cls()
+
+
+def evaluate_module(model: nn.Module, data_iter, device: torch.device) -> float:
+    """Accuracy of model (wrapped or not) over data_iter, inputs moved to device."""
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for X, y in data_iter:
+            correct += int((model(X.to(device)).argmax(1) == y.to(device)).sum())
+            total += y.numel()
+    return correct / total
+
+
+def train_module(model: nn.Module, devs: list[torch.device], settings: ResNetSettings,
+                 seed: int = 0, progress: bool = True) -> TrainResult:
+    """Train model (already wrapped for devs) with batch and lr scaled by the device count."""
+    k = len(devs)
+    batch_size, lr = settings.batch_per_device * k, settings.lr_per_device * k
+    train_iter, test_iter = load_fashion_mnist(batch_size, settings.train_size,
+                                               settings.test_size, seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    result = TrainResult([str(d) for d in devs], settings, train_iter.dataset.source)
+    timer = Timer(devs)
+    bar = tqdm(total=settings.num_epochs * len(train_iter), desc=f"{k} device(s)",
+               disable=not progress)
+    for _ in range(settings.num_epochs):
+        model.train()
+        total = torch.zeros((), device=devs[0])
+        with timer:
+            for X, y in train_iter:
+                X, y = X.to(devs[0]), y.to(devs[0])  # the wrapper scatters from the first device
+                loss = nn.functional.cross_entropy(model(X), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                total += loss.detach() * y.numel()
+                bar.update()
+        result.epoch_seconds.append(timer.times[-1])
+        result.train_loss.append(float(total) / len(train_iter.dataset))
+        result.test_acc.append(evaluate_module(model, test_iter, devs[0]))
+        bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", acc=f"{result.test_acc[-1]:.3f}")
+    bar.close()
+    return result
