@@ -25,7 +25,8 @@ class ResNetSettings:
     def for_devices(cls, devs: list[torch.device]) -> "ResNetSettings":
         """The textbook's on accelerators; on the CPU a few steps (ResNet-18 is ~40 ms per image)."""
         if all(d.type == "cpu" for d in devs):
-            return cls(batch_per_device=32, num_epochs=1, train_size=128, test_size=128)
+            return cls(batch_per_device=32, lr_per_device=0.1 * 32 / 256, num_epochs=1,
+                       train_size=128, test_size=128)
         return cls()
 
 

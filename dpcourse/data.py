@@ -1,6 +1,7 @@
 """Fashion-MNIST through torchvision, or an offline stand-in that dpcourse draws itself."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
@@ -128,6 +129,12 @@ def _reachable(address: tuple[str, int], timeout: float = 3.0) -> bool:
     return bool(ok)
 
 
+@functools.cache
+def mirror_reachable() -> bool:
+    """Whether Fashion-MNIST's download mirror answers; asked once per process."""
+    return _reachable(MIRROR)
+
+
 def _torchvision_fashion(root: Path, split: str, size: int | None, download: bool) -> Images:
     """Fashion-MNIST from torchvision's files, held in memory as one tensor."""
     from torchvision.datasets import FashionMNIST
@@ -161,7 +168,7 @@ def resolve_source(source: str | None = None, root: Path | None = None) -> str:
         raise ValueError(f"unknown dataset {source!r}: choose one of {', '.join(SOURCES)}")
     if source != "auto":
         return source
-    on_hand = _fashion_on_disk(root or data_dir()) or _reachable(MIRROR)
+    on_hand = _fashion_on_disk(root or data_dir()) or mirror_reachable()
     return "fashion-mnist" if on_hand else "synthetic"
 
 

@@ -29,13 +29,16 @@ def devices(n: int | None = None, *, simulate: bool = False) -> list[torch.devic
         raise ValueError(f"devices(n) needs a whole number n >= 1, got {n!r}")
     if len(real) >= n:
         return real[:n]
+    if n == 1 and not simulate:
+        return [torch.device("cpu")]  # one device is no simulation: it is the CPU itself
+    requested = f"{n} device{'s' if n > 1 else ''} requested"
     if real:
-        kind = real[0].type.upper() if real[0].type != "cuda" else "GPU"
-        print(f"{n} devices requested, {len(real)} {kind}{'s' if len(real) > 1 else ''}: "
-              f"simulating {n} devices round-robin on {', '.join(map(str, real))}")
+        gpus = f"{len(real)} {'GPU' if real[0].type == 'cuda' else real[0].type.upper()}"
+        print(f"{requested}, {gpus}{'s' if len(real) > 1 else ''}: simulating {n} devices "
+              f"round-robin on {', '.join(map(str, real))}")
         return [real[i % len(real)] for i in range(n)]
     reason = "simulation requested" if simulate else "0 GPUs"
-    print(f"{n} devices requested, {reason}: simulating {n} devices on the CPU")
+    print(f"{requested}, {reason}: simulating {n} device{'s' if n > 1 else ''} on the CPU")
     return [torch.device("cpu", i) for i in range(n)]
 
 

@@ -1,7 +1,7 @@
 """Chapter 05: hand-written data-parallel training of LeNet on k devices."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,16 +22,21 @@ def sgd(params: list[torch.Tensor], lr: float, batch_size: int) -> None:
             p.grad = None
 
 
+def check_replicas(device_params: list[list[torch.Tensor]], devs: list[torch.device]) -> None:
+    """Raise a clear error unless there is one parameter replica per device."""
+    check_devices(devs, "data-parallel training")
+    if len(device_params) != len(devs):
+        raise ValueError(f"got {len(device_params)} parameter replicas for {len(devs)} devices: "
+                         "one replica per device is needed")
+
+
 def train_batch(X: torch.Tensor, y: torch.Tensor, device_params: list[list[torch.Tensor]],
                 devs: list[torch.device], lr: float) -> torch.Tensor:
     """One data-parallel SGD step: forward/backward per device, allreduce, identical update.
 
     Returns the summed loss of the batch (a tensor on the first device).
     """
-    check_devices(devs, "train_batch")
-    if len(device_params) != len(devs):
-        raise ValueError(f"got parameters for {len(device_params)} devices "
-                         f"but {len(devs)} devices")
+    check_replicas(device_params, devs)
     X_shards, y_shards = split_batch(X, y, devs)
     losses = [loss(lenet(Xs, p), ys).sum()
               for Xs, ys, p in zip(X_shards, y_shards, device_params)]
@@ -50,6 +55,7 @@ def train_batch(X: torch.Tensor, y: torch.Tensor, device_params: list[list[torch
 def evaluate_accuracy(data_iter, device_params: list[list[torch.Tensor]],
                       devs: list[torch.device]) -> float:
     """Test accuracy with each batch split across all devices, each using its own replica."""
+    check_replicas(device_params, devs)
     correct, total = 0, 0
     with torch.no_grad():
         for X, y in data_iter:
@@ -107,10 +113,9 @@ def train(num_devices: int | None = None, batch_size: int | None = None,
     """Train LeNet with train_batch on num_devices devices (or devs); unset settings come from
     Settings.for_devices."""
     devs = devs or devices(num_devices)
-    s = Settings.for_devices(devs)
-    s.batch_size, s.lr = batch_size or s.batch_size, lr or s.lr
-    s.num_epochs = num_epochs or s.num_epochs
-    s.train_size, s.test_size = train_size or s.train_size, test_size or s.test_size
+    given = dict(batch_size=batch_size, lr=lr, num_epochs=num_epochs, train_size=train_size,
+                 test_size=test_size)
+    s = replace(Settings.for_devices(devs), **{k: v for k, v in given.items() if v is not None})
     train_iter, test_iter = load_fashion_mnist(s.batch_size, s.train_size, s.test_size,
                                                source, seed)
     params = init_lenet_params(seed, s.init_scale)

@@ -48,7 +48,7 @@ def fake_fashion(tmp_path):
 
 
 def test_files_on_disk_are_read_through_torchvision(fake_fashion, monkeypatch):
-    monkeypatch.setattr(data, "_reachable", lambda *a: pytest.fail("no network needed"))
+    monkeypatch.setattr(data, "mirror_reachable", lambda: pytest.fail("no network needed"))
     train = fashion_mnist("train", source="auto", root=fake_fashion)
     assert train.source == "Fashion-MNIST (torchvision)" and len(train) == 12
     images, labels = train.tensors
@@ -59,7 +59,7 @@ def test_files_on_disk_are_read_through_torchvision(fake_fashion, monkeypatch):
 
 
 def test_without_files_or_network_auto_falls_back_to_the_stand_in(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "_reachable", lambda *a: False)
+    monkeypatch.setattr(data, "mirror_reachable", lambda: False)
     monkeypatch.setenv("DPCOURSE_DATA_DIR", str(tmp_path))
     monkeypatch.delenv("DPCOURSE_DATA", raising=False)
     assert fashion_mnist("test", 10).source.startswith("synthetic")

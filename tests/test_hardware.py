@@ -29,3 +29,11 @@ def test_all_real_accelerators_are_used_when_enough_exist(capsys):
 def test_device_count_must_be_a_positive_whole_number(n):
     with pytest.raises(ValueError, match="n >= 1"):
         devices(n)
+
+
+@pytest.mark.skipif(bool(accelerators()), reason="this machine has accelerators")
+def test_one_device_without_accelerators_is_the_cpu_itself(capsys):
+    assert devices(1) == [torch.device("cpu")] and capsys.readouterr().out == ""
+    assert devices(1, simulate=True) == [torch.device("cpu", 0)]
+    assert capsys.readouterr().out.strip() == (
+        "1 device requested, simulation requested: simulating 1 device on the CPU")

@@ -63,12 +63,20 @@ def test_train_batch_returns_the_summed_loss():
 
 def test_train_batch_needs_one_set_of_parameters_per_device():
     devs = devices(2, simulate=True)
-    with pytest.raises(ValueError, match="parameters for 1 devices but 2 devices"):
+    with pytest.raises(ValueError, match="got 1 parameter replicas for 2 devices"):
         train_batch(torch.rand(4, 1, 28, 28), torch.zeros(4, dtype=torch.long),
                     [get_params(init_lenet_params(), devs[0])], devs, LR)
     with pytest.raises(ValueError, match="X has 4 examples but y has 3"):
         train_batch(torch.rand(4, 1, 28, 28), torch.zeros(3, dtype=torch.long),
                     [get_params(init_lenet_params(), d) for d in devs], devs, LR)
+
+
+def test_evaluation_needs_one_replica_per_device():
+    devs = devices(3, simulate=True)
+    batch = [(torch.rand(6, 1, 28, 28), torch.zeros(6, dtype=torch.long))]
+    with pytest.raises(ValueError, match="got 2 parameter replicas for 3 devices"):
+        dpcourse.training.evaluate_accuracy(batch, [get_params(init_lenet_params(), d)
+                                                    for d in devs[:2]], devs)
 
 
 def test_train_keeps_replicas_identical_and_reports_each_epoch():
