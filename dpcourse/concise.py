@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .data import load_fashion_mnist
 from .hardware import Timer

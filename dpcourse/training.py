@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .collectives import allreduce, check_devices, get_params
 from .data import load_fashion_mnist
