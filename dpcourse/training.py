@@ -124,7 +124,7 @@ def train(num_devices: int | None = None, batch_size: int | None = None,
     timer = Timer(devs)
     bar = tqdm(total=s.num_epochs * len(train_iter), desc=f"{len(devs)} device(s)",
                disable=not progress)
-    for epoch in range(s.num_epochs):
+    for _ in range(s.num_epochs):
         total = torch.zeros((), device=devs[0])
         with timer:
             for X, y in train_iter:
