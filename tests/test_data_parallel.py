@@ -41,9 +41,9 @@ def test_resnet_in_eval_mode_is_the_same_on_three_devices():
     X, y = torch.randn(5, 1, 28, 28), torch.randint(0, 10, (5,))
     want_out, want_grads = forward_backward(net, X, y)
     got_out, got_grads = forward_backward(ScratchDataParallel(net, devices(3, simulate=True)), X, y)
-    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
     for got, want in zip(got_grads, want_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_batch_norm_normalises_each_shard_on_its_own():
