@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Set up the course and run it: `python3 course.py lab | test | bench` (needs Python >= 3.10).
+"""Set up the course and run it: `python3 course.py lab | test | bench | execute` (Python >= 3.10).
 
 Each command creates or reuses the virtual environment .venv next to this file.
 """
@@ -44,6 +44,7 @@ def main() -> None:
         "lab": ["-m", "jupyter", "lab", "notebooks"],
         "test": ["-m", "pytest", *sys.argv[2:]],
         "bench": ["-m", "dpcourse.bench", *sys.argv[2:]],
+        "execute": [ROOT / "tools" / "execute_notebooks.py", *sys.argv[2:]],
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         sys.exit(f"usage: python3 course.py {{{'|'.join(commands)}}} [args]")

@@ -31,6 +31,25 @@ def interleaved(cases: dict[str, Callable[[], None]], repeats: int,
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def forward_backward_seconds(threads: list[int], batch_size: int = 128,
+                             repeats: int = 10) -> dict[int, float]:
+    """Median seconds of LeNet's forward and backward pass on batch_size images on the CPU,
+    for each number of threads (torch.set_num_threads), after a warm-up."""
+    X, y = torch.rand(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
+    params = get_params(init_lenet_params(0, scale=0.1), torch.device("cpu"))
+
+    def step(n: int) -> None:
+        torch.set_num_threads(n)
+        loss(lenet(X, params), y).sum().backward()
+
+    before = torch.get_num_threads()
+    try:
+        medians = interleaved({str(n): lambda n=n: step(n) for n in threads}, repeats, [])
+    finally:
+        torch.set_num_threads(before)
+    return {int(n): t for n, t in medians.items()}
+
+
 def bench_train_batch(batch_size: int, repeats: int) -> None:
     X, y = torch.rand(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
     params = init_lenet_params(0, scale=0.1)
@@ -82,6 +101,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    threads = sorted({1, torch.get_num_threads()})
+    times = forward_backward_seconds(threads, repeats=args.repeats)
+    print("\nLeNet forward and backward on 128 images (median): "
+          + ", ".join(f"{n} thread(s) {t * 1e3:.1f} ms" for n, t in times.items()))
     bench_train_batch(args.batch_size, args.repeats)
     bench_allreduce(args.repeats)
 

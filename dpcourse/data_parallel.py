@@ -1,4 +1,5 @@
-"""Chapter 06: nn.DataParallel built by hand: scatter, replicate, apply in device order, gather."""
+"""Chapter 06: nn.DataParallel built by hand: scatter, replicate, apply in device order, gather;
+SGD steps through any wrapper, and the bytes nn.DataParallel moves through device 0."""
 from __future__ import annotations
 
 import torch
@@ -50,3 +51,32 @@ class ScratchDataParallel(nn.Module):
         shards = scatter(X, self.devs)
         states = replicate(self.module, self.devs[:len(shards)])
         return gather(parallel_apply(self.module, states, shards), self.devs[0])
+
+
+def sgd_steps(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float,
+              device: torch.device) -> list[torch.Tensor]:
+    """SGD steps of model (wrapped or not) on batches moved to device, with the mean cross
+    entropy through torch.optim; returns the parameters after the last step, on the CPU."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for X, y in batches:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(X.to(device)), y.to(device)).backward()
+        optimizer.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def max_relative_difference(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Largest difference between two parameter lists, relative to each wanted tensor's scale."""
+    return max(float((g.detach().cpu() - w).abs().max() / w.abs().max())
+               for g, w in zip(got, want))
+
+
+def bytes_through_device0(n_params: int, n_in: int, n_out: int, k: int,
+                          per_device: int = 256, bytes_per_number: int = 4) -> dict[str, float]:
+    """Bytes nn.DataParallel moves through device 0 in one step on k devices, counted for a
+    model of n_params numbers with n_in inputs and n_out outputs per example."""
+    batch, others = per_device * k, k - 1
+    return {"replicate": others * n_params * bytes_per_number,
+            "scatter": others / k * batch * n_in * bytes_per_number,
+            "gather": others / k * batch * n_out * bytes_per_number,
+            "reduce grads": others * n_params * bytes_per_number}

@@ -21,6 +21,18 @@ def ring_schedule(k: int) -> list[tuple[str, list[Transfer]]]:
     return reduce + gather
 
 
+def send_chunk(chunks: list[tuple[torch.Tensor, ...]], phase: str, src: int, dst: int,
+               c: int) -> int:
+    """Device src sends its chunk c to device dst, which adds it to its own copy
+    ("reduce-scatter") or overwrites its copy ("all-gather"); returns the elements sent."""
+    piece, target = chunks[src][c], chunks[dst][c]
+    if phase == "reduce-scatter":
+        target.add_(piece.to(target.device))
+    else:
+        target.copy_(piece)
+    return piece.numel()
+
+
 @torch.no_grad()
 def ring_allreduce(tensors: list[torch.Tensor]) -> list[int]:
     """Sum tensors in place with a chunked ring; returns the elements each device sent.
@@ -34,12 +46,7 @@ def ring_allreduce(tensors: list[torch.Tensor]) -> list[int]:
     sent = [0] * k
     for phase, transfers in ring_schedule(k):
         for src, dst, c in transfers:
-            piece, target = chunks[src][c], chunks[dst][c]
-            if phase == "reduce-scatter":
-                target.add_(piece.to(target.device))
-            else:
-                target.copy_(piece)
-            sent[src] += piece.numel()
+            sent[src] += send_chunk(chunks, phase, src, dst, c)
     for t, f in zip(tensors, flat):
         if not t.is_contiguous():  # we summed into a contiguous copy
             t.copy_(f.view(t.shape))

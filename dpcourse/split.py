@@ -1,7 +1,10 @@
-"""Chapter 04: cutting a minibatch into one shard per device."""
+"""Chapter 04: cutting a minibatch into one shard per device, and feeding minibatches."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from torch.utils.data import Dataset
 
 from .collectives import check_devices
 
@@ -29,3 +32,18 @@ def split_batch(X: torch.Tensor, y: torch.Tensor, devs: list[torch.device]
     check_devices(devs, "split_batch")
     check_batch(X, y)
     return scatter(X, devs), scatter(y, devs)
+
+
+class Transformed(Dataset):
+    """Items of data with transform applied to each image as it is read: per-item CPU work
+    that a DataLoader's worker processes can share out."""
+
+    def __init__(self, data: Dataset, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.data, self.transform = data, transform
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        X, y = self.data[i]
+        return self.transform(X), y

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -31,9 +31,11 @@ def check_replicas(device_params: list[list[torch.Tensor]], devs: list[torch.dev
 
 
 def train_batch(X: torch.Tensor, y: torch.Tensor, device_params: list[list[torch.Tensor]],
-                devs: list[torch.device], lr: float) -> torch.Tensor:
+                devs: list[torch.device], lr: float,
+                allreduce: Callable[[list[torch.Tensor]], Any] = allreduce) -> torch.Tensor:
     """One data-parallel SGD step: forward/backward per device, allreduce, identical update.
 
+    `allreduce` sums a list of tensors in place (chapter 03's naive one or `ring_allreduce`).
     Returns the summed loss of the batch (a tensor on the first device).
     """
     check_replicas(device_params, devs)
@@ -50,6 +52,54 @@ def train_batch(X: torch.Tensor, y: torch.Tensor, device_params: list[list[torch
     for params in device_params:
         sgd(params, lr, X.shape[0])
     return sum(l.detach().to(devs[0]) for l in losses)
+
+
+def train_steps(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], devs: list[torch.device],
+                lr: float, *, seed: int = 0, init_scale: float = 0.1,
+                dtype: torch.dtype = torch.float32,
+                allreduce: Callable[[list[torch.Tensor]], Any] = allreduce
+                ) -> Iterator[list[list[torch.Tensor]]]:
+    """Train LeNet (in dtype) with train_batch on batches; yield the replicas after each step."""
+    params = [p.to(dtype) for p in init_lenet_params(seed, init_scale)]
+    device_params = [get_params(params, d) for d in devs]
+    for X, y in batches:
+        train_batch(X.to(dtype), y, device_params, devs, lr, allreduce)
+        yield device_params
+
+
+def largest_difference(run_a: list[list[torch.Tensor]], run_b: list[list[torch.Tensor]]) -> float:
+    """The largest absolute difference between a parameter of any replica of run_a and of run_b."""
+    return max(float((p - q.to(p.device)).abs().max().detach())
+               for replica_a in run_a for replica_b in run_b
+               for p, q in zip(replica_a, replica_b))
+
+
+def divergence(batches: list[tuple[torch.Tensor, torch.Tensor]], devs: list[torch.device],
+               lr: float, ks: Iterable[int] = (2, 4, 8), *, dtype: torch.dtype = torch.float32,
+               init_scale: float = 0.1) -> dict[str, list[float]]:
+    """Per step, how far the replicas of a run on devs[:k] are from a run on devs[:1], for each
+    k, and how far a one-device run from seed 1 is (the same steps, all in lockstep)."""
+    def run(k: int, seed: int = 0) -> Iterator[list[list[torch.Tensor]]]:
+        return train_steps(batches, devs[:k], lr, seed=seed, init_scale=init_scale, dtype=dtype)
+
+    others = {f"{k} devices": run(k) for k in ks} | {"seed 1, 1 device": run(1, seed=1)}
+    curves: dict[str, list[float]] = {name: [] for name in others}
+    for reference, *runs in zip(run(1), *others.values()):
+        for name, replicas in zip(others, runs):
+            curves[name].append(largest_difference(replicas, reference))
+    return curves
+
+
+def sgd_displacement(params: list[torch.Tensor],
+                     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                     lr: float) -> torch.Tensor:
+    """Plain SGD on one device from params (in their dtype), one step per batch; returns how far
+    the parameters moved, flattened into one vector. params themselves stay unchanged."""
+    ps = [p.detach().clone().requires_grad_() for p in params]
+    for X, y in batches:
+        loss(lenet(X.to(ps[0].dtype), ps), y).sum().backward()
+        sgd(ps, lr, len(y))
+    return torch.cat([(p - p0).detach().flatten() for p, p0 in zip(ps, params)])
 
 
 def evaluate_accuracy(data_iter, device_params: list[list[torch.Tensor]],
@@ -78,10 +128,11 @@ class Settings:
 
     @classmethod
     def for_devices(cls, devs: list[torch.device]) -> "Settings":
-        """The textbook's settings on accelerators. On the CPU: a subset, fewer epochs, and
-        weights drawn 10x larger so that LeNet leaves its initial plateau within 48 steps."""
+        """The textbook's settings on accelerators. On the CPU: a subset and fewer epochs, weights
+        drawn 10x larger so that LeNet leaves its plateau within 48 steps, and half the learning
+        rate so that the loss never climbs back above its start (chapter 02 shows both)."""
         if all(d.type == "cpu" for d in devs):
-            return cls(num_epochs=3, init_scale=0.1, train_size=4_096, test_size=1_024)
+            return cls(lr=0.1, num_epochs=3, init_scale=0.1, train_size=4_096, test_size=1_024)
         return cls()
 
 
@@ -94,6 +145,7 @@ class TrainResult:
     train_loss: list[float] = field(default_factory=list)
     test_acc: list[float] = field(default_factory=list)
     epoch_seconds: list[float] = field(default_factory=list)
+    step_loss: list[float] = field(default_factory=list)  # mean loss of each minibatch
     replica_spread: float = 0.0  # largest difference between any replica and device 0's
 
     @property
@@ -109,9 +161,10 @@ def train(num_devices: int | None = None, batch_size: int | None = None,
           lr: float | None = None, num_epochs: int | None = None, *,
           devs: list[torch.device] | None = None, train_size: int | None = None,
           test_size: int | None = None, seed: int = 0, source: str | None = None,
-          progress: bool = True) -> TrainResult:
+          allreduce: Callable[[list[torch.Tensor]], Any] = allreduce,
+          lr_schedule: Callable[[int], float] | None = None, progress: bool = True) -> TrainResult:
     """Train LeNet with train_batch on num_devices devices (or devs); unset settings come from
-    Settings.for_devices."""
+    Settings.for_devices. lr_schedule(step), if given, replaces the constant learning rate."""
     devs = devs or devices(num_devices)
     given = dict(batch_size=batch_size, lr=lr, num_epochs=num_epochs, train_size=train_size,
                  test_size=test_size)
@@ -125,17 +178,17 @@ def train(num_devices: int | None = None, batch_size: int | None = None,
     bar = tqdm(total=s.num_epochs * len(train_iter), desc=f"{len(devs)} device(s)",
                disable=not progress)
     for _ in range(s.num_epochs):
-        total = torch.zeros((), device=devs[0])
+        losses = []  # (summed loss, batch size) of every step of the epoch
         with timer:
             for X, y in train_iter:
-                total += train_batch(X, y, device_params, devs, s.lr)
+                step_lr = lr_schedule(len(result.step_loss) + len(losses)) if lr_schedule else s.lr
+                losses.append((train_batch(X, y, device_params, devs, step_lr, allreduce), len(y)))
                 bar.update()
         result.epoch_seconds.append(timer.times[-1])
-        result.train_loss.append(float(total) / len(train_iter.dataset))
+        result.train_loss.append(sum(float(l) for l, _ in losses) / len(train_iter.dataset))
+        result.step_loss += [float(l) / n for l, n in losses]
         result.test_acc.append(evaluate_accuracy(test_iter, device_params, devs))
         bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", acc=f"{result.test_acc[-1]:.3f}")
     bar.close()
-    result.replica_spread = max((float((p - q.to(p.device)).abs().max().detach())
-                                 for params in device_params[1:]
-                                 for p, q in zip(params, device_params[0])), default=0.0)
+    result.replica_spread = largest_difference(device_params, device_params[:1])
     return result

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from dpcourse import allreduce, broadcast, devices, get_params, ring_allreduce, ring_schedule
+from dpcourse.exercises.ch03 import check_spread_allreduce
+from dpcourse.ring import send_chunk
 
 COLLECTIVES = [allreduce, ring_allreduce]
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64]
@@ -103,3 +105,32 @@ def test_broadcast_gives_one_independent_copy_per_device():
     assert [str(c.device) for c in copies] == ["cpu"] * 3 and len({c.data_ptr() for c in copies}) == 3
     with pytest.raises(ValueError, match="empty device list"):
         broadcast(t, [])
+
+
+def test_send_chunk_adds_during_reduce_scatter_and_overwrites_during_all_gather():
+    tensors = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0])]
+    chunks = [t.tensor_split(2) for t in tensors]  # chunk 0: 2 elements, chunk 1: 1
+    assert send_chunk(chunks, "reduce-scatter", 0, 1, 0) == 2
+    assert tensors[1].tolist() == [11.0, 22.0, 30.0] and tensors[0].tolist() == [1.0, 2.0, 3.0]
+    assert send_chunk(chunks, "all-gather", 1, 0, 1) == 1
+    assert tensors[0].tolist() == [1.0, 2.0, 30.0]
+
+
+def reference_spread_allreduce(grads):
+    """Exercise 1 of chapter 03, written independently: parameter j summed on device j mod k."""
+    k, sent = len(grads), [0] * len(grads)
+    for j, tensors in enumerate(zip(*grads)):
+        total = sum(t.clone() for t in tensors)
+        for d, t in enumerate(tensors):
+            t.copy_(total)
+            sent[d] += t.numel() * (k - 1 if d == j % k else 1)
+    return sent
+
+
+def test_spread_allreduce_checker_accepts_the_right_counts_and_rejects_wrong_ones(capsys):
+    check_spread_allreduce(reference_spread_allreduce)
+    assert capsys.readouterr().out.startswith("correct")
+    check_spread_allreduce(lambda grads: reference_spread_allreduce(grads)[::-1])
+    assert "the elements sent should be" in capsys.readouterr().out
+    check_spread_allreduce(lambda grads: None)  # sums left undone
+    assert "does not hold the sum" in capsys.readouterr().out

@@ -2,9 +2,12 @@ import pytest
 import torch
 from torch import nn
 
-from dpcourse import devices
+from dpcourse import devices, get_params, init_lenet_params, train_batch
 from dpcourse.checkpoint import load_checkpoint, save_checkpoint, unwrap
-from dpcourse.data_parallel import ScratchDataParallel
+from dpcourse.concise import make_resnet18, warm_up
+from dpcourse.data_parallel import (ScratchDataParallel, bytes_through_device0,
+                                    max_relative_difference, sgd_steps)
+from dpcourse.lenet import LeNet
 from dpcourse.resnet import resnet18
 
 TUTORIAL = {1: ([30], [10]), 2: ([15, 15], [5, 5]), 3: ([10, 10, 10], [4, 4, 2]),
@@ -125,3 +128,77 @@ def test_same_as_nn_data_parallel_on_real_gpus():
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def lenet_batches(n_batches, dtype):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 1, 28, 28, generator=g, dtype=dtype),
+             torch.randint(0, 10, (16,), generator=g)) for _ in range(n_batches)]
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_several_float64_steps_on_k_devices_are_one_devices_steps_to_rounding(k):
+    params0 = [p.double() for p in init_lenet_params(seed=0, scale=0.1)]
+    batches, devs = lenet_batches(5, torch.float64), devices(k, simulate=True)
+    one_device = sgd_steps(LeNet(params0), batches, 0.1, torch.device("cpu"))
+    wrapper = sgd_steps(ScratchDataParallel(LeNet(params0), devs), batches, 0.1, devs[0])
+    by_hand = [get_params(params0, d) for d in devs]
+    for X, y in batches:
+        train_batch(X, y, by_hand, devs, 0.1)
+    assert max_relative_difference(wrapper, one_device) < 1e-12
+    assert max_relative_difference(by_hand[0], one_device) < 1e-12
+    moved = max_relative_difference(params0, one_device)
+    assert moved > 1e-3  # the steps changed the parameters, so the comparison means something
+
+
+def test_sgd_steps_is_plain_sgd_on_the_mean_cross_entropy():
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3).double()
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    W, b = net.weight.detach().clone(), net.bias.detach().clone()
+    p = torch.softmax(X @ W.T + b, dim=1) - nn.functional.one_hot(y, 3)  # d(mean CE)/d(logits) * n
+    got = sgd_steps(net, [(X, y)], 0.5, torch.device("cpu"))
+    torch.testing.assert_close(got[0], W - 0.5 * p.T @ X / 6)
+    torch.testing.assert_close(got[1], b - 0.5 * p.sum(0) / 6)
+
+
+def test_max_relative_difference_is_relative_to_each_tensors_scale():
+    want = [torch.tensor([1.0, -4.0]), torch.tensor([0.01])]
+    assert max_relative_difference([w.clone() for w in want], want) == 0
+    assert max_relative_difference([torch.tensor([1.0, -3.0]), torch.tensor([0.01])], want) == 0.25
+    assert max_relative_difference([want[0], torch.tensor([0.011])], want) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_bytes_through_device0_count_what_data_parallel_moves(k):
+    net = resnet18()
+    param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    got = bytes_through_device0(sum(p.numel() for p in net.parameters()), 28 * 28, 10, k)
+    batch = torch.zeros(256 * k, 1, 28, 28)
+    sent_shards = sum(s.numel() * s.element_size() for s in batch.chunk(k)[1:])
+    assert got["replicate"] == got["reduce grads"] == (k - 1) * param_bytes
+    assert got["scatter"] == sent_shards
+    assert got["gather"] == sent_shards * 10 / (28 * 28)
+
+
+def test_make_resnet18_initialises_every_layer_and_repeats_with_the_seed():
+    net, again = make_resnet18(torch.device("cpu")), make_resnet18(torch.device("cpu"))
+    layers = [m for m in net.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    assert len(layers) == 21
+    for m in layers:
+        assert 0.008 < float(m.weight.detach().std()) < 0.012, m  # N(0, 0.01), not PyTorch's default
+    for a, b in zip(net.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_warm_up_leaves_parameters_batch_norm_statistics_and_gradients_as_they_were():
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(4 * 6 * 6, 5))
+    X, y = torch.randn(6, 1, 8, 8) + 3, torch.randint(0, 5, (6,))
+    before = {name: t.clone() for name, t in net.state_dict().items()}
+    warm_up(ScratchDataParallel(net, devices(2, simulate=True)), X, y)
+    for name, t in net.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    assert all(p.grad is None for p in net.parameters())
+    net(X)  # the same pass without warm_up's restore moves the running statistics
+    assert not torch.equal(net[1].running_mean, before["1.running_mean"])

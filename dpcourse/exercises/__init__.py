@@ -1,0 +1,23 @@
+"""Checkers for the chapters' exercises: `from dpcourse.exercises.ch03 import check_traffic`.
+
+Each `check_*` prints whether an answer is right and, if not, why; the chapter notebooks and
+their worked solutions (solutions/) call the same functions.
+"""
+from numbers import Integral, Real
+
+
+def answered(answer: object) -> bool:
+    """False (and says so) while an exercise's answer is still None."""
+    if answer is None:
+        print("not answered yet")
+    return answer is not None
+
+
+def is_int(answer: object) -> bool:
+    """Whether answer is a whole number (numpy integers too, but not True/False)."""
+    return isinstance(answer, Integral) and not isinstance(answer, bool)
+
+
+def is_number(answer: object) -> bool:
+    """Whether answer is a real number (not True/False)."""
+    return isinstance(answer, Real) and not isinstance(answer, bool)

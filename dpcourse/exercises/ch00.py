@@ -1,0 +1,115 @@
+"""Checkers for chapter 00's exercises (devices and tensors)."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+from unittest import mock
+
+import numpy as np
+import torch
+
+from . import answered as _answered, is_int as _is_int
+
+LETTERS = "abcdef"  # the expressions of exercise 2
+
+
+def check_batch_bytes(answer: int | None) -> None:
+    """Says whether answer is the size in bytes of a float32 batch of shape (256, 1, 28, 28)."""
+    if not _answered(answer):
+        return
+    if not _is_int(answer):
+        print(f"not quite: give an int, a whole number of bytes, not the "
+              f"{type(answer).__name__} {answer!r}")
+        return
+    truth = torch.zeros(256, 1, 28, 28).nbytes
+    if answer == truth:
+        print("correct")
+    elif answer == truth // 4:
+        print("not quite: that is the number of elements; each float32 takes 4 bytes")
+    else:
+        print(f"not quite: {answer:,} is {answer / truth:.3g} times the size; "
+              "multiply the four dimensions, then the 4 bytes of a float32")
+
+
+def check_shares(answer: Iterable[str] | None) -> None:
+    """Says whether answer is the set of letters whose expression shares memory with x."""
+    if not _answered(answer):
+        return
+    if isinstance(answer, str) or not isinstance(answer, (set, frozenset, list, tuple)):
+        print(f'not quite: give a set of letters such as {{"a", "f"}}, not the '
+              f"{type(answer).__name__} {answer!r}")
+        return
+    letters = {str(letter).strip().lower() for letter in answer}
+    unknown = sorted(letters - set(LETTERS))
+    if unknown:
+        print(f"not quite: give a set of letters from a to f; {unknown} is not one of them")
+        return
+    x = torch.arange(3.0)
+    candidates = {"a": x.numpy(), "b": torch.from_numpy(x.numpy()),
+                  "c": torch.tensor(x.numpy()), "d": x.to("cpu"),
+                  "e": x.to(torch.device("cpu", 1)), "f": x.clone()}
+    truth = {k for k, v in candidates.items() if np.shares_memory(np.asarray(v), x.numpy())}
+    if letters == truth:
+        print("correct")
+        return
+    for letter in sorted(letters - truth):
+        print(f"not quite: ({letter}) makes a copy")
+    for letter in sorted(truth - letters):
+        print(f"not quite: ({letter}) shares x's memory (compare data_ptr() to see it)")
+
+
+def check_round_robin(answer: list[str] | None) -> None:
+    """Says whether answer is what devices(3) returns on a machine with two CUDA GPUs."""
+    if not _answered(answer):
+        return
+    if not isinstance(answer, (list, tuple)):
+        print(f'not quite: give a list of device names such as ["cuda:0", "cpu"], not the '
+              f"{type(answer).__name__} {answer!r}")
+        return
+    real = [torch.device("cuda", i) for i in range(2)]
+    truth = [str(real[i % len(real)]) for i in range(3)]
+    answer = [str(d) for d in answer]
+    if answer == truth:
+        print("correct")
+    elif len(answer) != 3:
+        print(f"not quite: devices(3) always returns 3 devices, you gave {len(answer)}")
+    else:
+        print("not quite: with fewer GPUs than asked for, devices() reuses the real ones, "
+              "round-robin: look at `return [real[i % len(real)] for i in range(n)]`")
+
+
+def _call_recording_to(make_replica: Callable[[torch.Tensor], torch.Tensor],
+                       x: torch.Tensor) -> tuple[object, list[torch.Tensor]]:
+    """make_replica(x), and every tensor that Tensor.to returned during the call."""
+    returned: list[torch.Tensor] = []
+    original = torch.Tensor.to
+
+    def recording_to(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        returned.append(original(self, *args, **kwargs))
+        return returned[-1]
+
+    with mock.patch.object(torch.Tensor, "to", recording_to):
+        replica = make_replica(x)
+    return replica, returned
+
+
+def check_replica_aliases(make_replica: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Says whether make_replica(x) returns a 'replica' made with .to whose update changes x."""
+    if not _answered(make_replica):
+        return
+    x = torch.zeros(3)
+    replica, returned = _call_recording_to(make_replica, x)
+    if not isinstance(replica, torch.Tensor):
+        print(f"not quite: make_replica must return the replica, a tensor, not {replica!r}")
+    elif not returned:
+        print("not quite: make_replica never called .to; the exercise is about what "
+              "x.to(device) returns, so make the replica with it")
+    elif x.abs().sum() == 0:
+        print("not quite: x did not change. Either the replica is a real copy (a device name "
+              "such as 'cpu:1' makes .to copy) or you did not update it in place (+=, add_)")
+    elif not any(replica is t for t in returned):
+        print("not quite: x changed, but the tensor you returned is not the one .to gave you: "
+              "did you change x directly?")
+    elif replica.data_ptr() != x.data_ptr():
+        print("not quite: x changed, but the replica is not x: did you change x directly?")
+    else:
+        print("correct: .to returned x itself, so updating the 'replica' updated x")

@@ -1,0 +1,176 @@
+"""Checkers for chapter 01's exercises (splitting the problem).
+
+The reference values are recomputed here from the models themselves, independently of the
+chapter's tables: parameter counts, the elements at a cut, and the inputs layer-wise
+partitioning gathers.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..lenet import init_lenet_params
+from ..resnet import resnet18
+from . import answered as _answered, is_int as _is_int, is_number as _is_number
+
+FP32 = 4  # bytes
+
+
+def _valid(answer: object, whole: bool = False) -> bool:
+    """Whether answer is a number (an int if whole); if not, say what to give instead."""
+    if whole and not _is_int(answer):
+        print(f"not quite: give an int, a whole number, not the {type(answer).__name__} "
+              f"{answer!r}")
+    elif not whole and not _is_number(answer):
+        print(f"not quite: give a number, not the {type(answer).__name__} {answer!r}")
+    return _is_int(answer) if whole else _is_number(answer)
+
+
+def _close(answer: float, truth: float, rel: float = 0.005) -> bool:
+    return abs(answer - truth) <= rel * truth
+
+
+def _ring_bytes(k: int, elements: int) -> float:
+    return 2 * (k - 1) / k * elements * FP32
+
+
+def resnet_parameters() -> int:
+    """The number of parameters of the course's ResNet-18."""
+    return sum(p.numel() for p in resnet18().parameters())
+
+
+def resnet_elements_after_stage2() -> int:
+    """Elements of one example's activations after ResNet-18's second stage (resnet_block2)."""
+    net = resnet18().eval()
+    with torch.no_grad():
+        return net[:5](torch.zeros(1, 1, 28, 28)).numel()
+
+
+def resnet_gathered_elements() -> int:
+    """Elements of the distinct inputs of ResNet-18's conv and dense layers, the image excluded."""
+    net, image = resnet18().eval(), torch.zeros(1, 1, 28, 28)
+    inputs: dict[int, torch.Tensor] = {}  # kept alive, so that no two share an id
+
+    def record(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        inputs[id(args[0])] = args[0]
+
+    hooks = [m.register_forward_hook(record) for m in net.modules()
+             if isinstance(m, (nn.Conv2d, nn.Linear))]
+    with torch.no_grad():
+        net(image)
+    for h in hooks:
+        h.remove()
+    return sum(t.numel() for t in inputs.values() if t is not image)
+
+
+def check_ring_bytes(answer: float | None) -> None:
+    """Says whether answer is the bytes each of 8 devices sends to ring-allreduce ResNet-18."""
+    if not (_answered(answer) and _valid(answer)):
+        return
+    truth = _ring_bytes(8, resnet_parameters())
+    if _close(answer, truth):
+        print("correct")
+    elif _close(answer, truth / FP32):
+        print("not quite: that counts elements; each float32 gradient is 4 bytes")
+    elif _close(answer, truth * 8 / 7 / 2):
+        print("not quite: that is the gradients' size; the ring sends 2(k-1)/k of it")
+    else:
+        print(f"not quite: you are off by a factor of {answer / truth:.3g}; "
+              "use 2(k-1)/k x parameters x 4 bytes")
+
+
+def check_break_even(answer: int | None) -> None:
+    """Says whether answer is the smallest batch at which ResNet-18's cut after
+    resnet_block2.1 sends more bytes per device than the 2-device allreduce."""
+    if not (_answered(answer) and _valid(answer, whole=True)):
+        return
+    allreduce = _ring_bytes(2, resnet_parameters())
+    per_example = resnet_elements_after_stage2() * FP32
+    truth = int(allreduce // per_example) + 1
+    if answer == truth:
+        print("correct")
+    elif answer * per_example <= allreduce:
+        print(f"not quite: at batch {answer} the cut sends {answer * per_example:,} bytes, "
+              f"not more than the allreduce's {allreduce:,.0f}")
+    else:
+        print(f"not quite: batch {answer - 1} already sends more "
+              f"({(answer - 1) * per_example:,} bytes > {allreduce:,.0f})")
+
+
+def check_lenet_memory_cut(answer: int | None) -> None:
+    """Says whether answer is the bytes per device per step, batch 256, when LeNet is cut
+    where its parameters are most balanced (ties: the smallest activation)."""
+    if not (_answered(answer) and _valid(answer)):
+        return
+    W1, b1, W2, b2, W3, b3, W4, b4 = init_lenet_params()
+    pooled = F.avg_pool2d(F.conv2d(torch.zeros(1, 1, 28, 28), W1, b1), 2)
+    after_conv2 = F.conv2d(pooled, W2, b2).numel()  # also after relu2: same split, larger
+    groups = [[W1, b1], [W2, b2], [W3, b3], [W4, b4]]
+    crossing = [pooled.numel(), W3.shape[0], W4.shape[0]]  # smallest entering layers 2, 3, 4
+    sizes = [sum(p.numel() for p in g) for g in groups]
+    cut = min(range(3), key=lambda c: max(sum(sizes[:c + 1]), sum(sizes[c + 1:])))
+    truth = 256 * crossing[cut] * FP32
+    if answer == truth:
+        print("correct")
+    elif any(_close(answer, truth / unit) for unit in (1e6, 2**20, 1e3, 2**10)):
+        print("not quite: that looks like MB or kB; give the answer in bytes")
+    elif answer == 256 * after_conv2 * FP32:
+        print(f"not quite: a cut after conv2 or relu2 splits the parameters the same way, but "
+              f"carries {after_conv2:,} elements per example; among equal splits take the "
+              "smallest activation")
+    else:
+        print("not quite: dense1 alone holds most of the parameters, so the balanced cut "
+              "is right before it; multiply batch, elements at the cut and 4 bytes")
+
+
+def check_k4_costs(data_parallel: float | None, layer_wise: float | None) -> None:
+    """Says whether the bytes per device of data parallelism and layer-wise partitioning for
+    ResNet-18 on k = 4 devices, batch 256, are right."""
+    if not (_answered(data_parallel) and _answered(layer_wise)
+            and _valid(data_parallel) and _valid(layer_wise)):
+        return
+    truths = {"data parallelism": (data_parallel, _ring_bytes(4, resnet_parameters())),
+              "layer-wise partitioning":
+                  (layer_wise, 256 * _ring_bytes(4, resnet_gathered_elements()))}
+    wrong = [name for name, (answer, truth) in truths.items() if not _close(answer, truth)]
+    for name in wrong:
+        answer, truth = truths[name]
+        print(f"not quite: {name} is off by a factor of {answer / truth:.3g}; "
+              "both costs carry the factor 2(k-1)/k, which is 3/2 for k = 4")
+    if not wrong:
+        print("correct")
+
+
+def check_owner_bytes(bytes_sent: Callable[[int, float], float] | None) -> None:
+    """Says whether bytes_sent(k, S) is what each device sends when device i owns and sums
+    one k-th of the S gradient bytes, then sends its sum to every other device."""
+    if not _answered(bytes_sent):
+        return
+    for k in (2, 3, 4, 8):
+        for S in (1.0, 1024.0, 4e6):
+            truth = (k - 1) * S / k + (k - 1) * S / k  # send k-1 slices, then k-1 copies of one
+            if not _close(bytes_sent(k, S), truth, 1e-9):
+                print(f"not quite: for k = {k}, S = {S:g} you give {bytes_sent(k, S):g}, "
+                      f"the scheme sends {truth:g}: count the slices sent out, then the sums")
+                return
+    print("correct: 2(k-1)/k x S, exactly the ring's cost")
+
+
+def check_cpu_gpu_split(gpu_examples: int | None) -> None:
+    """Says whether gpu_examples of a batch of 256 (the rest on a 10x slower CPU) makes the
+    step as short as possible."""
+    if not (_answered(gpu_examples) and _valid(gpu_examples, whole=True)):
+        return
+
+    def step_time(g: int) -> float:  # in units of one GPU example
+        return max(g, 10 * (256 - g))
+    truth = min(range(257), key=step_time)
+    if gpu_examples == truth:
+        print(f"correct: the GPU takes {truth}, the CPU {256 - truth}")
+    else:
+        print(f"not quite: with {gpu_examples} on the GPU the step lasts "
+              f"{step_time(gpu_examples)} GPU-example times; the best split gives "
+              f"{step_time(truth)}")

@@ -1,0 +1,124 @@
+"""Checkers for chapter 04's exercises (splitting minibatches)."""
+from __future__ import annotations
+
+import numbers
+import random
+from fractions import Fraction
+from typing import Callable, Iterable
+
+import torch
+
+from ..split import split_batch
+
+
+def check_shard_sizes(n: int, k: int, answer: list[int] | None) -> None:
+    """Exercise 1: the shard sizes split_batch gives a batch of n on k devices."""
+    if answer is None:
+        return print("not answered yet")
+    expected = [len(c) for c in torch.arange(n).chunk(k)]
+    if list(answer) == expected:
+        print(f"correct: {n} over {k} gives {expected}")
+    elif sum(answer) != n:
+        print(f"not quite: your shards hold {sum(answer)} examples, the batch has {n}")
+    else:
+        print(f"not quite: start with shards of ceil({n} / {k}) examples")
+
+
+def check_idle(fn: Callable[[int, int], int] | None) -> None:
+    """Exercise 2: fn(n, k) is the number of devices that get no shard, for n <= 300, k <= 16."""
+    if fn is None:
+        return print("not answered yet")
+    for k in range(1, 17):
+        devs = [torch.device("cpu", i) for i in range(k)]
+        for n in range(1, 301):
+            expected = k - len(split_batch(torch.zeros(n, 1), torch.zeros(n), devs)[0])
+            if fn(n, k) != expected:
+                return print(f"not quite: for n={n}, k={k} you say {fn(n, k)}, "
+                             f"split_batch leaves {expected} idle")
+    print("correct for every n up to 300 and k up to 16")
+
+
+def idle_batch_sizes(k: int = 8, largest: int = 256) -> list[int]:
+    """Batch sizes 1..largest for which split_batch leaves at least one of k devices idle."""
+    devs = [torch.device("cpu", i) for i in range(k)]
+    return [n for n in range(1, largest + 1)
+            if len(split_batch(torch.zeros(n, 1), torch.zeros(n), devs)[0]) < k]
+
+
+def check_idle_batches(answer: Iterable[int] | None, k: int = 8, largest: int = 256) -> None:
+    """Exercise 2: the batch sizes between 1 and largest that leave a device idle on k devices."""
+    if answer is None:
+        return print("not answered yet")
+    expected, given = idle_batch_sizes(k, largest), sorted(set(answer))
+    missing = [n for n in expected if n not in given]
+    extra = [n for n in given if n not in expected]
+    if not missing and not extra:
+        return print(f"correct: {len(expected)} batch sizes, the largest {expected[-1]}")
+    print(f"not quite: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+          f"wrongly included {extra[:5]}{' ...' if len(extra) > 5 else ''} "
+          f"(on {k} devices, shards of ceil(n / {k}) can run out before the last device)")
+
+
+def weighted_cases(count: int = 200, seed: int = 0) -> list[tuple[int, list[float]]]:
+    """Batch sizes and device speeds for exercise 3: hand-picked traps, then random ones."""
+    traps = [(256, [3, 1]), (100, [1, 1, 1]), (10, [5, 1, 1, 1]), (7, [1, 2, 4]),
+             (11, [1, 1, 1, 1]), (10, [1] * 7), (5, [1] * 8), (1, [2.5, 1.0]), (64, [0.5, 1.5])]
+    rng = random.Random(seed)
+    rand = [(rng.randint(1, 300), [rng.randint(1, 10) for _ in range(rng.randint(1, 8))])
+            for _ in range(count)]
+    return traps + rand
+
+
+def check_weighted_sizes(fn: Callable[[int, list[float]], list[int]] | None) -> None:
+    """Exercise 3: fn(n, speeds) gives whole-number shard sizes summing to n, each less than one
+    example away from n * speed / sum(speeds)."""
+    if fn is None:
+        return print("not answered yet")
+    for n, speeds in weighted_cases():
+        sizes = list(fn(n, list(speeds)))
+        ideal = [n * Fraction(s) / sum(map(Fraction, speeds)) for s in speeds]  # exact
+        whole = all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in sizes)
+        if len(sizes) != len(speeds) or not whole or sum(sizes) != n:
+            return print(f"not quite: for n={n}, speeds {speeds} you give {sizes}; "
+                         f"one whole number per device, {n} in all")
+        far = [i for i, (a, b) in enumerate(zip(sizes, ideal)) if abs(a - b) >= 1]
+        if far:
+            return print(f"not quite: for n={n}, speeds {speeds} you give {sizes}, ideal "
+                         f"{[round(float(b), 2) for b in ideal]}: device {far[0]}'s shard is "
+                         "not less than one example away from its ideal share")
+    print("correct: every size less than one example away from its ideal share, "
+          f"in {len(weighted_cases())} cases")
+
+
+def check_dropped(answer: tuple[int, int] | None) -> None:
+    """Exercise 4: examples drop_last=True discards per epoch, (100 in batches of 30,
+    60,000 in batches of 256)."""
+    if answer is None:
+        return print("not answered yet")
+    expected = (100 % 30, 60_000 % 256)
+    if tuple(answer) == expected:
+        print(f"correct: {expected[0]} of 100 (10 %) and {expected[1]} of 60,000 (0.16 %)")
+    else:
+        print(f"not quite: {tuple(answer)}; the dropped batch is what is left after the "
+              "last full batch (n mod batch size)")
+
+
+def check_mean_weights(fn: Callable[[list[int]], list[float]] | None) -> None:
+    """Exercise 5: fn(shard sizes) gives the weights that turn shard means into the batch mean
+    (compared in float64 to 1e-6 relative, so float32 weights pass)."""
+    if fn is None:
+        return print("not answered yet")
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((10, 3), (30, 8), (7, 4), (256, 3)):
+        losses = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+        shards = losses.chunk(k)
+        weights = [float(w) for w in fn([len(s) for s in shards])]
+        if len(weights) != len(shards):
+            return print(f"not quite: {len(shards)} shards need {len(shards)} weights, "
+                         f"you give {len(weights)}")
+        got, mean = sum(w * float(s.mean()) for w, s in zip(weights, shards)), float(losses.mean())
+        if abs(got - mean) > 1e-6 * abs(mean):
+            return print(f"not quite: for {n} examples on {k} devices your weights "
+                         f"{[round(w, 6) for w in weights]} give {got:.10f}, "
+                         f"the batch mean is {mean:.10f}")
+    print("correct: weight each shard's mean by its share of the batch, size / n")

@@ -1,0 +1,100 @@
+"""Checkers for chapter 05's exercises (training on k devices)."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from ..collectives import get_params
+from ..hardware import devices
+from ..lenet import init_lenet_params, lenet, loss
+from ..training import Settings, sgd, train_batch
+
+
+def check_steps(answer: int | None) -> None:
+    """Exercise 1: the number of SGD steps of train(4, batch_size=1024) with this machine's
+    default settings."""
+    if answer is None:
+        return print("not answered yet")
+    s = Settings.for_devices(devices(4))
+    per_epoch = math.ceil((s.train_size or 60_000) / 1024)
+    expected = s.num_epochs * per_epoch
+    if answer == expected:
+        print(f"correct: {s.num_epochs} epochs of {per_epoch} steps")
+    elif answer == per_epoch:
+        print("not quite: that is one epoch; count all of them")
+    else:
+        print("not quite: count ceil(training images / 1024) steps per epoch, times the epochs")
+
+
+def _largest_update_difference(k: int, lr: float) -> tuple[float, float]:
+    """One step of train_batch on k simulated devices, 64 images each, at lr, against one plain
+    step on one device on the same 64k images at the rule's 0.025k. Returns the largest
+    difference of a parameter (relative to that parameter's largest reference update) and how
+    far the step moved, as a multiple of the reference step's length."""
+    g = torch.Generator().manual_seed(k)
+    X, y = torch.rand(64 * k, 1, 28, 28, generator=g), torch.randint(0, 10, (64 * k,), generator=g)
+    params = init_lenet_params(0, scale=0.1)
+    ref = get_params(params, torch.device("cpu"))
+    loss(lenet(X, ref), y).sum().backward()
+    sgd(ref, 0.025 * k, 64 * k)
+    devs = devices(k, simulate=True)
+    replicas = [get_params(params, d) for d in devs]
+    train_batch(X, y, replicas, devs, lr)
+    rel = max(float((p.detach() - r.detach()).abs().max() / (r.detach() - p0).abs().max())
+              for p, r, p0 in zip(replicas[0], ref, params))
+    moved = sum(float((p.detach() - p0).norm() ** 2) for p, p0 in zip(replicas[0], params))
+    wanted = sum(float((r.detach() - p0).norm() ** 2) for r, p0 in zip(ref, params))
+    return rel, math.sqrt(moved / wanted)
+
+
+def check_lr_for_k(lr_for: Callable[[int], float] | None) -> None:
+    """Exercise 2: lr_for(k), the learning rate for k devices with 64 images each (global batch
+    64k) by the linear scaling rule, from 1 device at batch 64 and lr 0.025. Runs one step on
+    k = 1, 2, 4, 8 simulated devices and compares every parameter with the rule's step."""
+    if lr_for is None:
+        return print("not answered yet")
+    for k in (1, 2, 4, 8):
+        lr = lr_for(k)
+        rel, ratio = _largest_update_difference(k, lr)
+        if rel > 1e-4:
+            where = f"on {k} device{'s' if k > 1 else ''} (batch {64 * k})"
+            if lr <= 0:
+                return print(f"not quite: {where} your lr {lr} does not step down the gradient")
+            return print(f"not quite: {where} your lr {lr} moves the parameters {ratio:.2f}x as "
+                         "far as the linear scaling rule's step. Section 6: k small steps of "
+                         "batch 64 at 0.025 are about one step of batch 64k at which rate?")
+    print("correct: the rate grows with the global batch, 0.025 per 64 images. (With the global "
+          "batch fixed, as in section 2, the rate would not depend on k.)")
+
+
+def check_warmup(fn: Callable[[int], float] | None) -> None:
+    """Exercise 4: fn(step) rises linearly from 0.025 at step 0 to 0.1 at step 32, then stays."""
+    if fn is None:
+        return print("not answered yet")
+    for step in (0, 1, 8, 16, 31, 32, 33, 100):
+        expected = 0.025 + (0.1 - 0.025) * min(step, 32) / 32
+        if abs(fn(step) - expected) > 1e-9:
+            return print(f"not quite: at step {step} you give {fn(step)}, expected {expected:.4f}")
+    print("correct")
+
+
+def check_cpu_example_weight(answer: float | None) -> None:
+    """Exercise 5: with shards of 40 (GPU) and 10 (CPU), each device averaging its own shard's
+    loss and the two averages averaged: one CPU example's weight over one GPU example's."""
+    if answer is None:
+        return print("not answered yet")
+    expected = (1 / 10) / (1 / 40)  # each shard's mean weighs its examples 1/size, times 1/2 each
+    if math.isclose(answer, expected):
+        print(f"correct: {expected:g}x. train_batch sums the losses and divides by the whole "
+              "batch, so every example weighs 1/50 whatever its shard")
+    elif math.isclose(answer, 1 / expected):
+        print("not quite: that is inverted. A mean over 10 examples gives each of them 1/10; "
+              "which shard's examples weigh more?")
+    elif math.isclose(answer, 1):
+        print("not quite: 1 is what train_batch gives (summed losses divided by the whole "
+              "batch). The question is about averaging per shard: 1/10 vs 1/40")
+    else:
+        print("not quite: write the weight of one example in each shard's mean, times the 1/2 "
+              "of averaging the two devices, and divide")

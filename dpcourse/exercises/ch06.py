@@ -1,0 +1,180 @@
+"""Checkers for chapter 06's exercises (nn.DataParallel built by hand)."""
+from __future__ import annotations
+
+import copy
+import numbers
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..data_parallel import ScratchDataParallel, sgd_steps
+from ..resnet import resnet18
+
+
+def _not_answered(answer: Any) -> bool:
+    if answer is None:
+        print("not answered yet")
+    return answer is None
+
+
+def check_same_batch_settings(same_batch_settings: Callable[[int], Any] | None) -> None:
+    """Exercise 1: settings for k devices with the textbook's 1-GPU run's global batch 256 and
+    learning rate 0.1."""
+    if _not_answered(same_batch_settings):
+        return
+    for k in (1, 2, 4, 8):
+        s = same_batch_settings(k)
+        if not isinstance(s.batch_per_device, numbers.Integral):
+            print(f"not quite: on {k} devices batch_per_device is {s.batch_per_device!r}, but a "
+                  "batch holds a whole number of examples: use 256 // k")
+            return
+        batch, lr = s.batch_per_device * k, s.lr_per_device * k
+        if batch != 256:
+            print(f"not quite: on {k} devices the global batch is {s.batch_per_device} x {k} = "
+                  f"{batch}; keep it at 256 by giving each device 256 / k examples")
+            return
+        if abs(lr - 0.1) > 1e-12:
+            print(f"not quite: on {k} devices the learning rate is {s.lr_per_device} x {k} = "
+                  f"{lr:g}; train_module multiplies lr_per_device by k, so use 0.1 / k")
+            return
+    print("correct: the same global batch and learning rate on every device count")
+
+
+def check_shard_sizes(shard_sizes: Callable[[int, list[float]], list[int]] | None) -> None:
+    """Exercise 2: whole-number shard sizes that sum to n, each less than one example away from
+    its share of n in proportion to the devices' speeds."""
+    if _not_answered(shard_sizes):
+        return
+    for n, speeds in [(256, [1, 1]), (256, [3, 1]), (10, [1, 1, 1]), (100, [5, 5, 1]),
+                      (7, [1, 1, 1, 1, 1, 1, 1, 1]), (513, [2.5, 1, 0.5])]:
+        sizes = list(shard_sizes(n, speeds))
+        if not all(isinstance(size, numbers.Integral) for size in sizes):
+            print(f"not quite: shard_sizes({n}, {speeds}) = {sizes}; a shard holds a whole "
+                  "number of examples, so every size must be an int")
+            return
+        ideal = [n * s / sum(speeds) for s in speeds]
+        if len(sizes) != len(speeds) or sum(sizes) != n or min(sizes) < 0:
+            print(f"not quite: shard_sizes({n}, {speeds}) = {sizes}; it needs one size per "
+                  f"device, none negative, summing to {n}")
+            return
+        worst = max(abs(got - want) for got, want in zip(sizes, ideal))
+        if worst >= 1:
+            print(f"not quite: shard_sizes({n}, {speeds}) = {sizes}, but the speeds ask for "
+                  f"{[round(i, 2) for i in ideal]}; each shard should be less than one example "
+                  "away from its share")
+            return
+    print("correct: every shard follows its device's speed, and no example is lost")
+
+
+class _ComputedWith(TorchFunctionMode):
+    """Records the storage of every tensor that an out-of-place op under it computes with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pointers: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        in_place = name.endswith("_") and not name.startswith("__")
+        if isinstance(out, torch.Tensor) and not in_place:
+            self.pointers.update(a.data_ptr() for a in [*args, *(kwargs or {}).values()]
+                                 if isinstance(a, torch.Tensor))
+        return out
+
+
+def _stale_grads(wrapper: nn.Module) -> bool:
+    """Whether the wrapper's copies still hold gradients after a step."""
+    return any(t.is_leaf and t.grad is not None
+               for replica in wrapper.replicas for t in replica.values())
+
+
+def _cached_wrapper_problem(wrapper: nn.Module, n_extra: int, X: torch.Tensor) -> str | None:
+    """What is wrong with how the wrapper keeps its copies, or None."""
+    replicas = getattr(wrapper, "replicas", None)
+    if not isinstance(replicas, list) or len(replicas) != n_extra or not all(replicas):
+        return (f"keep the copies in self.replicas: a list of {n_extra} dicts of tensors, one per "
+                "extra device")
+    originals = {p.data_ptr() for p in wrapper.parameters()}
+    if any(t.data_ptr() in originals for replica in replicas for t in replica.values()):
+        return "the copies share memory with the module's parameters: make real copies"
+    with _ComputedWith() as used:
+        wrapper(X)
+    if any(t.data_ptr() not in used.pointers for replica in replicas for t in replica.values()):
+        return ("the forward pass does not compute with the copies in self.replicas (does it "
+                "make new ones?); pass them to parallel_apply")
+    return None
+
+
+def check_cached_wrapper(wrapper_class: type | None) -> None:
+    """Exercise 3: a wrapper that keeps its copies between steps, computes with them, and still
+    takes the steps of ScratchDataParallel (in float64, 3 SGD steps on 3 simulated devices)."""
+    if _not_answered(wrapper_class):
+        return
+    devs = [torch.device("cpu", i) for i in range(3)]  # devices(3, simulate=True), silently
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    theirs = wrapper_class(copy.deepcopy(net), devs)
+    reference = ScratchDataParallel(copy.deepcopy(net), devs)
+    kept = None
+    for step in range(1, 4):
+        batch = [(torch.randn(9, 6, dtype=torch.float64), torch.randint(0, 3, (9,)))]
+        want = sgd_steps(reference, batch, 0.1, devs[0])
+        got = sgd_steps(theirs, batch, 0.1, devs[0])
+        if not all(torch.allclose(g, w, rtol=1e-10, atol=1e-12) for g, w in zip(got, want)):
+            if step == 1:
+                why = "are the copies' gradients added to the module's parameters?"
+            elif hasattr(theirs, "replicas") and _stale_grads(theirs):
+                why = ("the copies still hold gradients after the step: clear each copy's .grad "
+                       "once it is added to the original (optimizer.zero_grad() clears only the "
+                       "module's parameters), or the steps' gradients add up")
+            else:
+                why = "are the copies refreshed after each optimizer.step()?"
+            print(f"not quite: after {step} step(s) the parameters differ from "
+                  f"ScratchDataParallel's: {why}")
+            return
+        problem = _cached_wrapper_problem(theirs, len(devs) - 1, batch[0][0])
+        if problem:
+            print(f"not quite: {problem}")
+            return
+        ptrs = [t.data_ptr() for replica in theirs.replicas for t in replica.values()]
+        if kept is not None and ptrs != kept:
+            print("not quite: the copies were replaced; refresh them in place (copy_) instead")
+            return
+        kept = ptrs
+    print("correct: the copies are reused, refreshed after every step, and their gradients reach "
+          "the module")
+
+
+def check_bytes_received(answer: float | None) -> None:
+    """Exercise 4: bytes device 0 receives per step for dpcourse's resnet18 on 4 devices,
+    per-device batch 256: the 3 other shards' outputs plus the 3 other replicas' gradients."""
+    if _not_answered(answer):
+        return
+    n = sum(p.numel() for p in resnet18().parameters())
+    outputs, grads = 3 * 256 * 10 * 4, 3 * n * 4
+    want = outputs + grads
+
+    def near(x: float) -> bool:
+        return abs(answer - x) < 1_000  # exact bytes: the outputs are only 30,720 of them
+
+    if near(want):
+        print(f"correct: {outputs:,} bytes of outputs + {grads:,} bytes of gradients")
+    elif near(grads):
+        print("not quite: that is the gradients only; device 0 also receives the other "
+              "devices' outputs (gather)")
+    elif near(outputs):
+        print("not quite: that is the outputs only; add the gradients of the 3 other replicas")
+    elif near(want + 256 * 10 * 4):
+        print("not quite: device 0 computes its own shard's outputs; it receives only the 3 other "
+              "shards' outputs")
+    elif near(4 / 3 * want):
+        print("not quite: device 0 receives from the 3 other devices, not from itself")
+    elif answer > want:
+        print("not quite: too much; count only what arrives at device 0 (the replicas and the "
+              "input shards leave it)")
+    else:
+        print("not quite: count 3 shards of 256 outputs of 10 numbers, and 3 copies of every "
+              "parameter's gradient, 4 bytes each")

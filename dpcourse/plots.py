@@ -1,0 +1,457 @@
+"""The course's figures: each chapter calls a `show_*` function so its cells fit on a slide."""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+# ---- chapter 00 ----
+
+# ---- chapter 01 ----
+
+def show_strategies() -> None:
+    """Network partitioning, layer-wise partitioning and data parallelism of a four-layer
+    network on two devices: what each device holds and what moves between them."""
+    from matplotlib.patches import FancyBboxPatch, Rectangle
+
+    colors = ["#4C72B0", "#55A868", "#C44E52", "#8172B2"]  # layers 1 to 4
+    xs, w, h = [0.3, 6.4], 3.3, 0.9  # left edge of each device, bar width and height
+    level_y = [1.9 + 1.3 * i for i in range(4)]  # bottom of the bar at each height
+    fig, axes = plt.subplots(1, 3, figsize=(10, 4))
+
+    def bar(ax, x, level, label):
+        ax.add_patch(Rectangle((x, level_y[level]), w, h, fc=colors[level], ec="black"))
+        ax.text(x + w / 2, level_y[level] + h / 2, label, ha="center", va="center",
+                color="white", fontsize=7)
+
+    def arrow(ax, start, end, style="-|>", color="black"):
+        ax.annotate("", xy=end, xytext=start,
+                    arrowprops=dict(arrowstyle=style, color=color, lw=1.5, shrinkA=0, shrinkB=0))
+
+    titles = ["(a) network partitioning", "(b) layer-wise partitioning", "(c) data parallelism"]
+    for ax, title in zip(axes, titles):
+        ax.set_xlim(0, 10), ax.set_ylim(0, 8.6), ax.axis("off")
+        ax.set_title(title, fontsize=10)
+        for d, x in enumerate(xs):
+            ax.add_patch(FancyBboxPatch((x - 0.15, 1.0), w + 0.3, 6.5, boxstyle="round,pad=0.1",
+                                        fc="#F2F2F2", ec="black", lw=1))
+            ax.text(x + w / 2, 7.85, f"device {d}", ha="center", fontsize=8, weight="bold")
+    a, b, c = axes
+    gap_mid = (xs[0] + w + xs[1]) / 2
+
+    # (a) layers 1-2 on device 0, layers 3-4 on device 1: the batch passes from one to the other
+    for layer in range(4):
+        bar(a, xs[layer // 2], layer, f"layer {layer + 1}")
+    arrow(a, (xs[0] + w + 0.2, level_y[1] + h), (xs[1] - 0.2, level_y[2] + h))
+    a.text(gap_mid, level_y[2] + h + 0.45, "activations", ha="center", fontsize=7)
+    arrow(a, (xs[1] - 0.2, level_y[2]), (xs[0] + w + 0.2, level_y[1]), color="gray")
+    a.text(gap_mid, level_y[1] - 0.6, "gradients", ha="center", fontsize=7, color="gray")
+    a.text(5, 0.1, "whole batch,\ndevice 0 then device 1", ha="center", fontsize=8)
+
+    # (b) every layer cut in two halves of its output channels
+    for layer in range(4):
+        for d, x in enumerate(xs):
+            bar(b, x, layer, f"layer {layer + 1}\nhalf {d + 1}/2")
+    for layer in range(3):
+        y = level_y[layer] + h / 2
+        arrow(b, (xs[0] + w + 0.2, y), (xs[1] - 0.2, y), style="<|-|>")
+    b.text(5, 0.1, "whole batch on both;\nswap after every layer", ha="center", fontsize=8)
+
+    # (c) the whole network on both devices, half of the batch each
+    for layer in range(4):
+        for x in xs:
+            bar(c, x, layer, f"layer {layer + 1}")
+    # one allreduce, after the backward pass, of the gradients of every layer
+    c.add_patch(Rectangle((xs[0] + w + 0.35, level_y[0] - 0.1), xs[1] - xs[0] - w - 0.7,
+                          level_y[3] + h - level_y[0] + 0.2, fc="none", ec="gray", ls="--"))
+    for layer in range(4):
+        y = level_y[layer] + h / 2
+        arrow(c, (xs[0] + w + 0.2, y), (xs[1] - 0.2, y), style="<|-|>")
+    c.text(gap_mid, level_y[3] + h + 0.3, "allreduce\nall gradients", ha="center", fontsize=7)
+    for d, x in enumerate(xs):
+        c.text(x + w / 2, 1.25, f"batch half {d + 1}", ha="center", fontsize=7)
+    c.text(5, 0.1, "half of the batch each;\none allreduce per step", ha="center", fontsize=8)
+
+    fig.suptitle("Three ways to split a four-layer network across 2 devices", fontsize=12)
+    fig.tight_layout()
+    plt.show()
+
+# ---- chapter 02 ----
+
+def show_class_samples(images: "torch.Tensor", labels: "torch.Tensor", classes: list[str],
+                       source: str, per_class: int = 1) -> None:
+    """per_class training images of each class, one column per class, drawn as one mosaic."""
+    import torch
+    import torch.nn.functional as F
+
+    framed = [F.pad(images[(labels == c).nonzero().flatten()[:per_class], 0], (1, 1, 1, 1))
+              for c in range(len(classes))]  # a white frame of one pixel around each image
+    mosaic = torch.cat([torch.cat(list(column)) for column in framed], dim=1)
+    zoom = 3  # screen pixels per image pixel, a whole number keeps the pixels sharp
+    height, width = mosaic.shape
+    fig, ax = plt.subplots(figsize=(width * zoom / 100, height * zoom / 100 + 0.5))
+    ax.imshow(mosaic, cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
+    ax.set_xticks([30 * c + 14.5 for c in range(len(classes))], classes, fontsize=8)
+    ax.xaxis.tick_top()
+    ax.set_yticks([])
+    ax.set_title(f"Training images, {per_class} per class: {source}", fontsize=9)
+    _display_compact(fig)
+
+
+def show_baseline(step_loss: list[float], epoch_loss: list[float], test_acc: list[float],
+                  title: str) -> None:
+    """Per-batch and per-epoch training loss next to the test accuracy per epoch."""
+    epochs = range(1, len(epoch_loss) + 1)
+    per_epoch = len(step_loss) / len(epoch_loss)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 2.8))
+    ax1.plot([i / per_epoch for i in range(1, len(step_loss) + 1)], step_loss,
+             color="lightsteelblue", linewidth=1, label="per batch")
+    ax1.plot(epochs, epoch_loss, marker="o", label="epoch mean")
+    ax1.set(xlabel="epoch", ylabel="training loss", title="Training loss")
+    ax1.legend()
+    ax2.plot(epochs, test_acc, marker="o", color="C2")
+    ax2.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1), title="Test accuracy",
+            xticks=list(epochs))
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+def show_cpu_settings(curves: dict[tuple[float, float], list[float]], warmup: int) -> None:
+    """Per-step training loss for each (init scale, lr), with ln 10 and the warm-up marked."""
+    import math
+
+    fig, ax = plt.subplots(figsize=(7.5, 3))
+    for (scale, lr), values in sorted(curves.items(), key=lambda item: (-item[0][0], item[0][1])):
+        ax.plot(range(1, len(values) + 1), values, linewidth=1.2, zorder=3,
+                label=f"scale {scale}, lr {lr}")
+    ax.axhline(math.log(10), color="gray", linestyle="--", linewidth=0.8, zorder=1,
+               label="ln 10 (uniform guess)")
+    ax.axvspan(0.5, warmup + 0.5, color="gray", alpha=0.15, label=f"warm-up ({warmup} steps)")
+    ax.set(xlabel="SGD step (batch 256)", ylabel="training loss of the batch",
+           title="The CPU run's steps with each setting (same data, same order)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    _display_compact(fig)
+
+# ---- chapter 03 ----
+
+def _display_compact(fig, colors: int = 64) -> None:
+    """Show fig as a PNG with a palette of `colors` colours: it looks the same as plt.show()'s
+    and takes a fraction of the bytes, which keeps the stored notebook small."""
+    import io
+
+    from IPython.display import Image, display
+    from PIL import Image as PILImage
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    plt.close(fig)
+    compact = io.BytesIO()
+    PILImage.open(buffer).convert("RGB").quantize(colors).save(compact, format="png", optimize=True)
+    display(Image(compact.getvalue()))
+
+
+def show_ring_topology(k: int = 4) -> None:
+    """k devices on a ring, each holding its tensor cut into k chunks; arrows i -> i+1."""
+    import math
+
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    angle = [math.pi / 2 - 2 * math.pi * i / k for i in range(k)]  # clockwise from the top
+    pos = [(1.6 * math.cos(a), 1.2 * math.sin(a)) for a in angle]
+    w = 0.22  # width of one chunk
+    for i, (x, y) in enumerate(pos):
+        for c in range(k):
+            ax.add_patch(Rectangle((x - k * w / 2 + c * w, y - 0.12), w, 0.24, fc=f"C{c}",
+                                   ec="black", alpha=0.75))
+            ax.text(x - k * w / 2 + (c + 0.5) * w, y, str(c), ha="center", va="center", fontsize=8)
+        c, s = math.cos(angle[i]), math.sin(angle[i])  # label outside the ring
+        if abs(c) > 0.5:
+            ax.text(x + (k * w / 2 + 0.08) * (1 if c > 0 else -1), y, f"device {i}",
+                    ha="left" if c > 0 else "right", va="center", fontsize=10)
+        else:
+            ax.text(x, y + (0.2 if s > 0 else -0.2), f"device {i}", ha="center",
+                    va="bottom" if s > 0 else "top", fontsize=10)
+    for i in range(k):
+        (x0, y0), (x1, y1) = pos[i], pos[(i + 1) % k]
+        ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), connectionstyle="arc3,rad=-0.25",
+                                     arrowstyle="-|>", mutation_scale=18, lw=1.8, color="gray",
+                                     shrinkA=28, shrinkB=28))
+    ax.text(0, 0, f"every step:\ndevice i sends one chunk\nto device (i + 1) mod {k}",
+            ha="center", va="center", fontsize=9)
+    ax.set(xlim=(-3, 3), ylim=(-1.7, 1.7), aspect="equal",
+           title=f"A ring of {k} devices, every tensor cut into {k} chunks")
+    ax.axis("off")
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+def show_ring_steps(snapshots: list, schedule: list, k: int) -> None:
+    """One k x k grid per step of a ring allreduce: rows devices, columns chunks, text and
+    colour the devices whose values a chunk holds; received chunks outlined in red."""
+    from matplotlib.patches import Rectangle
+
+    fig, axes = plt.subplots(2, k, figsize=(9, 4.4))
+    titles = ["start"] + [f"step {n}: {phase}" for n, (phase, _) in enumerate(schedule, 1)]
+    received = [[]] + [transfers for _, transfers in schedule]
+    for ax, snap, title, transfers in zip(axes.flat, snapshots, titles, received):
+        rows = snap.tolist()
+        ax.imshow([[bin(v).count("1") for v in row] for row in rows], cmap="Blues",
+                  vmin=0, vmax=k + 1)
+        for i, row in enumerate(rows):
+            for c, v in enumerate(row):
+                who = "".join(str(d) for d in range(k) if v >> d & 1)
+                ax.text(c, i, who, ha="center", va="center", fontsize=8,
+                        color="white" if len(who) > k // 2 else "black")
+        for _, dst, c in transfers:
+            ax.add_patch(Rectangle((c - 0.5, dst - 0.5), 1, 1, fill=False, ec="red", lw=2))
+        ax.set_title(title, fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    for ax in axes[:, 0]:
+        ax.set_yticks(range(k), [f"device {i}" for i in range(k)], fontsize=7)
+    for ax in axes[-1, :len(snapshots) - k]:
+        ax.set_xticks(range(k), [str(c) for c in range(k)], fontsize=7)
+        ax.set_xlabel("chunk", fontsize=8)
+    for ax in axes.flat[len(snapshots):]:
+        ax.axis("off")
+    axes.flat[-1].text(0, 0.5, "text: devices whose values\nthe chunk holds\ncolour: how many\n"
+                       "red: received in this step\n(added in reduce-scatter,\noverwritten "
+                       "in all-gather)", va="center", fontsize=8)
+    fig.suptitle(f"Ring allreduce on {k} devices: reduce-scatter (steps 1-{k - 1}), "
+                 f"then all-gather (steps {k}-{2 * k - 2})", fontsize=10)
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+def show_traffic(traffic: dict[int, tuple[int, int]], n: int) -> None:
+    """Elements sent by the busiest device per allreduce, counted, against the device count."""
+    ks = list(traffic)
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.plot(ks, [traffic[k][0] / n for k in ks], marker="o", lw=6, alpha=0.35, color="C0",
+            label="naive: device 0 (counted)")
+    ax.plot(ks, [k - 1 for k in ks], linestyle=":", marker="x", lw=2, color="black", zorder=3,
+            label="tutorial's unchunked ring, every device (formula)")
+    ax.plot(ks, [traffic[k][1] / n for k in ks], marker="s", color="C1",
+            label="chunked ring: busiest device (counted)")
+    ax.axhline(2, color="C1", linestyle="--", lw=0.8, label="chunked ring's limit 2N")
+    ax.set(xlabel="devices k", ylabel="elements sent / N",
+           title="Elements the busiest device sends per allreduce of N elements")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+# ---- chapter 04 ----
+
+def show_shards(batch_sizes: list[int], devs: list) -> None:
+    """For each batch size, which range of examples split_batch gives each device."""
+    import torch
+
+    from .split import split_batch
+
+    fig, axes = plt.subplots(1, len(batch_sizes), figsize=(10, 3.4), sharey=True)
+    for ax, n in zip(axes, batch_sizes):
+        shards, _ = split_batch(torch.zeros(n, 1), torch.zeros(n), devs)
+        start = 0
+        for i in range(len(devs)):
+            if i < len(shards):
+                ax.barh(i, len(shards[i]), left=start, color=f"C{i % 10}", edgecolor="black")
+                ax.text(start + len(shards[i]) / 2, i, str(len(shards[i])), ha="center",
+                        va="center")
+                start += len(shards[i])
+            else:
+                ax.text(0.3, i, "idle: no examples", va="center", color="gray")
+        ax.set(xlim=(0, n), xlabel="example index in the batch", yticks=range(len(devs)),
+               yticklabels=[str(d) for d in devs], title=f"batch of {n} on {len(devs)} devices")
+    axes[0].set_ylabel("device")
+    axes[0].invert_yaxis()  # device 0 on top (the axes share y, so once is enough)
+    fig.suptitle("torch.chunk shards: ceil(n / k) examples per device until the batch runs out")
+    fig.tight_layout()
+    plt.show()
+
+
+# ---- chapter 05 ----
+
+def show_data_parallel_step(k: int = 3) -> None:
+    """One step of train_batch on k devices: split, forward/backward per replica, allreduce of
+    the gradients, the same sgd update on every replica."""
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    fig, ax = plt.subplots(figsize=(10, 1.3 + 0.8 * k))
+    y = {d: k - 1 - d for d in range(k)}  # device 0 on top
+    mid = (k - 1) / 2
+
+    def box(x: float, yc: float, text: str, color: str, h: float = 0.56) -> None:
+        ax.add_patch(FancyBboxPatch((x - 0.75, yc - h / 2), 1.5, h, boxstyle="round,pad=0.02",
+                                    fc=color, ec="black", lw=0.8))
+        ax.text(x, yc, text, ha="center", va="center", fontsize=8)
+
+    def arrow(x0: float, y0: float, x1: float, y1: float) -> None:
+        ax.add_patch(FancyArrowPatch((x0 + 0.75, y0), (x1 - 0.75, y1), arrowstyle="-|>",
+                                     mutation_scale=10, lw=1.1, color="black"))
+
+    box(0, mid, "minibatch X, y\n(B examples)", "lightgray")
+    box(6, mid, "allreduce\nevery device now holds\ng = Σ_d g_d", "khaki", h=k - 0.3)
+    for d in range(k):
+        box(2, y[d], f"shard X{d}, y{d}\n(about B/{k})", "lightblue")
+        box(4, y[d], f"replica θ{d}: forward,\nbackward → g_{d}", "mistyrose")
+        box(8, y[d], f"θ{d} -= lr · g / B", "honeydew")
+        arrow(0, mid, 2, y[d])
+        arrow(2, y[d], 4, y[d])
+        arrow(4, y[d], 6, y[d])
+        arrow(6, y[d], 8, y[d])
+        ax.text(-1.0, y[d], f"device {d}", ha="right", va="center", fontsize=9)
+    for x, name in [(2, "1. split_batch"), (4, "2. forward + backward"), (6, "3. allreduce"),
+                    (8, "4. sgd")]:
+        ax.text(x, k - 0.55, name, ha="center", va="bottom", fontsize=9, weight="bold")
+    ax.set(xlim=(-1.9, 8.9), ylim=(-0.5, k - 0.05))
+    ax.set_title("One data-parallel step (train_batch): every replica applies the same summed "
+                 "gradient, so the replicas stay identical", fontsize=10)
+    ax.axis("off")
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+def show_divergence(curves: dict[str, dict[str, list[float]]]) -> None:
+    """Per step, the largest parameter difference from the 1-device run: k devices in each
+    dtype (curves[dtype][name], from training.divergence), and a run from another seed."""
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    styles = {"float32": "-", "float64": "--"}
+    for dtype, by_run in curves.items():
+        for i, (name, diffs) in enumerate(by_run.items()):
+            steps = range(1, len(diffs) + 1)
+            if name.startswith("seed"):
+                if dtype == "float32":
+                    ax.plot(steps, diffs, color="black", lw=2, label=f"{name} (another run)")
+                continue
+            ax.plot(steps, [max(d, 1e-18) for d in diffs], styles[dtype], color=f"C{i}",
+                    marker="o", ms=3, label=f"{name}, {dtype}")
+    f32 = [v for n, v in curves["float32"].items() if not n.startswith("seed")]
+    f64 = [v for n, v in curves["float64"].items() if not n.startswith("seed")]
+    ax.set(yscale="log", xlabel="SGD step", ylim=(1e-18, 10),
+           ylabel="largest |parameter difference|\nfrom the 1-device run")
+    ax.set_title(f"k devices vs 1 device: float64 stays at most {max(map(max, f64)):.0e}, float32 "
+                 f"grows from {min(v[0] for v in f32):.0e} to {max(v[-1] for v in f32):.0e}; "
+                 "another seed differs by "
+                 f"{min(v for n, c in curves['float32'].items() if n.startswith('seed') for v in c):.1f}",
+                 fontsize=10)
+    ax.legend(fontsize=8, ncol=2, loc="center right")
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+def show_training_runs(results: dict) -> None:
+    """Training loss per step of each run (results: label -> TrainResult) and time per epoch."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label, r in results.items():
+        ax1.plot(range(1, len(r.step_loss) + 1), r.step_loss, lw=1, label=label)
+    ax1.set(xlabel="SGD step", ylabel="training loss of the minibatch",
+            title="Training loss: the same steps, up to rounding")
+    ax1.legend(fontsize=8)
+    labels = [str(k) for k in results]
+    ax2.bar(labels, [r.seconds_per_epoch for r in results.values()], color="C1", label="mean")
+    ax2.scatter(labels, [min(r.epoch_seconds) for r in results.values()], color="black",
+                zorder=3, label="fastest epoch")
+    first = next(iter(results.values()))
+    where = "simulated on the CPU" if first.devices[-1].startswith("cpu") else first.devices[-1]
+    ax2.set(xlabel="run", ylabel="seconds per epoch", title=f"Time per epoch ({where})")
+    ax2.legend(fontsize=8)
+    s = first.settings
+    fig.suptitle(f"LeNet, batch {s.batch_size}, lr {s.lr}, {len(first.test_acc)} epochs, "
+                 f"{first.data}", fontsize=10)
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+# ---- chapter 06 ----
+
+def show_data_parallel_flow(k: int = 3) -> None:
+    """One step of nn.DataParallel on k devices: scatter and replicate from device 0, the
+    replicas' forward, gather and loss on device 0, gradients summed back onto device 0."""
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    stages = ["on device 0", "scatter +\nreplicate", "parallel_apply", "gather", "loss",
+              "backward", "reduce +\noptimizer.step()"]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.85 * k))
+    y = {d: k - 1 - d for d in range(k)}  # device 0 on top
+
+    def box(col: int, dev: int, text: str, color: str) -> None:
+        ax.add_patch(FancyBboxPatch((col * 1.5 - 0.6, y[dev] - 0.28), 1.2, 0.56,
+                                    boxstyle="round,pad=0.02", fc=color, ec="black", lw=0.8))
+        ax.text(col * 1.5, y[dev], text, ha="center", va="center", fontsize=8)
+
+    def arrow(c0: int, d0: int, c1: int, d1: int, color: str = "black", style: str = "-") -> None:
+        ax.add_patch(FancyArrowPatch((c0 * 1.5 + 0.6, y[d0]), (c1 * 1.5 - 0.6, y[d1]),
+                                     arrowstyle="-|>", mutation_scale=10, lw=1.1, color=color,
+                                     linestyle=style))
+
+    box(0, 0, "X (whole batch)\nθ (the module)", "lightgray")
+    for d in range(k):
+        box(1, d, f"X{d}, θ{d}" + (" = θ" if d == 0 else " (copy)"), "lightblue")
+        box(2, d, f"ŷ{d} = f(X{d}; θ{d})", "lightblue")
+        box(5, d, f"∂ℓ/∂θ{d}", "mistyrose")
+        arrow(0, 0, 1, d)
+        arrow(1, d, 2, d)
+        arrow(2, d, 3, 0)
+        arrow(4, 0, 5, d, color="tab:red", style="--")
+        arrow(5, d, 6, 0, color="tab:red", style="--")
+    box(3, 0, "ŷ = [ŷ0, ..., ŷ%d]" % (k - 1), "lightgray")
+    box(4, 0, "ℓ(ŷ, y)", "lightgray")
+    box(6, 0, "θ.grad = Σ ∂ℓ/∂θd\nθ -= lr · θ.grad", "mistyrose")
+    arrow(3, 0, 4, 0)
+    for col, name in enumerate(stages):
+        ax.text(col * 1.5, k - 0.6, name, ha="center", va="bottom", fontsize=9, weight="bold")
+    for d in range(k):
+        ax.text(-0.75, y[d], f"device {d}", ha="right", va="center", fontsize=9)
+    ax.set(xlim=(-1.6, 9.7), ylim=(-0.5, k - 0.05))
+    ax.set_title("One step of nn.DataParallel: device 0 scatters, gathers, computes the loss "
+                 "and receives every gradient (red: backward)", fontsize=10)
+    ax.axis("off")
+    fig.tight_layout()
+    plt.show()
+
+
+def _devices_label(devs: list[str]) -> str:
+    """The devices of a run, or "2 replicas on one GPU (cuda:0)" when replicas share one."""
+    if len(set(devs)) == len(devs):
+        return ", ".join(devs)
+    distinct = list(dict.fromkeys(devs))
+    on = "one GPU" if len(distinct) == 1 else f"{len(distinct)} GPUs"
+    return f"{len(devs)} replicas on {on} ({', '.join(distinct)})"
+
+
+def show_epoch_times(results: dict) -> None:
+    """Seconds per epoch of each training run (name -> TrainResult), with the devices it ran on."""
+    fig, ax = plt.subplots(figsize=(6.5, 2.8))
+    names = list(results)
+    bars = ax.bar(names, [results[n].seconds_per_epoch for n in names], color="tab:orange")
+    ax.bar_label(bars, labels=[_devices_label(results[n].devices) for n in names], fontsize=8)
+    hosts = {d.split(":")[0] for n in names for d in results[n].devices}
+    shared = any(len(set(results[n].devices)) < len(results[n].devices) for n in names)
+    where = ("one CPU, devices simulated" if hosts == {"cpu"}
+             else " and ".join(sorted(hosts)) + " devices"
+             + ("; replicas sharing a GPU" if shared else ""))
+    ax.set(xlabel="training run (bar labels: the devices used)", ylabel="seconds per epoch")
+    ax.set_title(f"ResNet-18, measured on this machine ({where})", fontsize=10)
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    plt.show()
+
+
+def show_device0_traffic(traffic: dict[str, dict[int, dict[str, float]]]) -> None:
+    """Stacked MB through device 0 per step for each model (model -> k -> part -> bytes)."""
+    fig, axes = plt.subplots(1, len(traffic), figsize=(9, 3.2))
+    for ax, (model, by_k) in zip(axes, traffic.items()):
+        ks = list(by_k)
+        bottom = [0.0] * len(ks)
+        for part in by_k[ks[0]]:
+            mb = [by_k[k][part] / 1e6 for k in ks]
+            ax.bar([str(k) for k in ks], mb, bottom=bottom, label=part)
+            bottom = [b + m for b, m in zip(bottom, mb)]
+        ax.set(title=model, xlabel="devices k", ylabel="MB through device 0 per step")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Counted, not measured: float32, per-device batch 256; "
+                 "the same bytes on any hardware", fontsize=10)
+    fig.tight_layout()
+    plt.show()

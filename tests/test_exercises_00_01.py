@@ -1,0 +1,134 @@
+"""The checkers of chapters 00 and 01: a right answer, worked out here independently, is
+`correct`; typical wrong answers are rejected with a reason, never a crash."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dpcourse.exercises import ch00, ch01
+from dpcourse.resnet import resnet18
+
+RESNET_PARAMETERS = sum(p.numel() for p in resnet18().parameters())
+
+
+def said(capsys: pytest.CaptureFixture[str], check, *answer: object) -> str:
+    """What check(*answer) prints."""
+    check(*answer)
+    return capsys.readouterr().out
+
+
+# ---- chapter 00 ----
+
+def test_batch_bytes_accepts_the_product_of_the_shape_and_four_bytes(capsys) -> None:
+    assert said(capsys, ch00.check_batch_bytes, 256 * 1 * 28 * 28 * 4) == "correct\n"
+
+
+@pytest.mark.parametrize("answer", ["802816", 802816.0, True])
+def test_batch_bytes_asks_for_an_int(capsys, answer: object) -> None:
+    assert "give an int" in said(capsys, ch00.check_batch_bytes, answer)
+
+
+def test_batch_bytes_rejects_the_element_count(capsys) -> None:
+    assert "number of elements" in said(capsys, ch00.check_batch_bytes, 256 * 28 * 28)
+
+
+def test_shares_accepts_the_views_and_the_to_that_does_not_move(capsys) -> None:
+    assert said(capsys, ch00.check_shares, {"a", "b", "d"}) == "correct\n"
+
+
+@pytest.mark.parametrize("answer", ["a, b, d", 3])
+def test_shares_asks_for_a_set_of_letters(capsys, answer: object) -> None:
+    assert "give a set of letters" in said(capsys, ch00.check_shares, answer)
+
+
+def test_shares_names_the_copy_that_was_taken_for_a_view(capsys) -> None:
+    assert "(e) makes a copy" in said(capsys, ch00.check_shares, {"a", "b", "d", "e"})
+
+
+def test_round_robin_accepts_the_two_gpus_reused_in_turn(capsys) -> None:
+    assert said(capsys, ch00.check_round_robin, ["cuda:0", "cuda:1", "cuda:0"]) == "correct\n"
+
+
+def test_round_robin_rejects_a_string(capsys) -> None:
+    assert "give a list" in said(capsys, ch00.check_round_robin, "cuda:0, cuda:1, cuda:0")
+
+
+def replica_on_cpu(x: torch.Tensor) -> torch.Tensor:
+    replica = x.to("cpu")  # x is already there: .to returns x itself
+    replica += 1
+    return replica
+
+
+def replica_on_cpu1(x: torch.Tensor) -> torch.Tensor:
+    replica = x.to("cpu:1")  # another device name: .to copies
+    replica += 1
+    return replica
+
+
+def test_replica_aliases_accepts_a_to_that_returns_x(capsys) -> None:
+    assert said(capsys, ch00.check_replica_aliases, replica_on_cpu).startswith("correct")
+
+
+def test_replica_aliases_rejects_an_update_without_to(capsys) -> None:
+    out = said(capsys, ch00.check_replica_aliases, lambda x: x.add_(1))
+    assert out.startswith("not quite") and "never called .to" in out
+
+
+def test_replica_aliases_rejects_a_real_copy(capsys) -> None:
+    assert "x did not change" in said(capsys, ch00.check_replica_aliases, replica_on_cpu1)
+
+
+def test_replica_aliases_leaves_tensor_to_as_it_was(capsys) -> None:
+    original = torch.Tensor.to
+    said(capsys, ch00.check_replica_aliases, replica_on_cpu)
+    assert torch.Tensor.to is original and "to" not in vars(torch.Tensor)
+
+
+# ---- chapter 01 ----
+
+def test_ring_bytes_accepts_seven_quarters_of_the_gradients_bytes(capsys) -> None:
+    assert said(capsys, ch01.check_ring_bytes, 2 * 7 / 8 * RESNET_PARAMETERS * 4) == "correct\n"
+
+
+def test_break_even_accepts_the_first_batch_past_the_allreduce(capsys) -> None:
+    per_example = 128 * 14 * 14  # resnet_block2.1's output: 128 channels of 14 x 14
+    answer = math.floor(RESNET_PARAMETERS / per_example) + 1
+    assert said(capsys, ch01.check_break_even, answer) == "correct\n"
+    assert "give an int" in said(capsys, ch01.check_break_even, float(answer))
+
+
+def test_lenet_memory_cut_accepts_dense1s_input_for_a_batch(capsys) -> None:
+    assert said(capsys, ch01.check_lenet_memory_cut, 256 * 800 * 4) == "correct\n"
+
+
+def test_lenet_memory_cut_explains_the_tie_break_for_a_cut_after_conv2(capsys) -> None:
+    conv2_outputs = 50 * 9 * 9  # 50 channels of (13 - 5 + 1) x (13 - 5 + 1)
+    out = said(capsys, ch01.check_lenet_memory_cut, 256 * conv2_outputs * 4)
+    assert out.startswith("not quite") and "smallest activation" in out
+
+
+@pytest.mark.parametrize("in_megabytes", [0.8192, 0.82, 256 * 800 * 4 / 2**20])
+def test_lenet_memory_cut_asks_for_bytes_not_megabytes(capsys, in_megabytes: float) -> None:
+    assert "in bytes" in said(capsys, ch01.check_lenet_memory_cut, in_megabytes)
+
+
+def test_owner_bytes_accepts_twice_the_share_of_the_others(capsys) -> None:
+    out = said(capsys, ch01.check_owner_bytes, lambda k, S: 2 * (k - 1) / k * S)
+    assert out.startswith("correct")
+    assert "not quite" in said(capsys, ch01.check_owner_bytes, lambda k, S: (k - 1) / k * S)
+
+
+def test_cpu_gpu_split_accepts_the_first_whole_number_past_the_balance(capsys) -> None:
+    balance = 2560 / 11  # g = 10 (256 - g)
+    assert said(capsys, ch01.check_cpu_gpu_split, math.ceil(balance)).startswith("correct")
+    assert "give an int" in said(capsys, ch01.check_cpu_gpu_split, balance)
+    assert "not quite" in said(capsys, ch01.check_cpu_gpu_split, 256)
+
+
+def test_k4_costs_accept_three_halves_of_the_two_device_costs(capsys) -> None:
+    data_parallel = 3 / 2 * RESNET_PARAMETERS * 4
+    layer_wise = 3 / 2 * 256 * 426_496 * 4  # gathered elements per example, chapter 01's table
+    assert said(capsys, ch01.check_k4_costs, data_parallel, layer_wise) == "correct\n"
+    assert "give a number" in said(capsys, ch01.check_k4_costs, "67 MB", layer_wise)

@@ -1,0 +1,136 @@
+"""The checkers of chapter 06 say "correct" to right answers and reject known wrong ones."""
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+from dpcourse.concise import ResNetSettings
+from dpcourse.data_parallel import ScratchDataParallel, gather, parallel_apply, replicate
+from dpcourse.exercises.ch06 import (check_bytes_received, check_cached_wrapper,
+                                     check_same_batch_settings, check_shard_sizes)
+from dpcourse.resnet import resnet18
+from dpcourse.split import scatter
+
+
+def said(capsys) -> str:
+    return capsys.readouterr().out
+
+
+def test_same_batch_settings_accepts_whole_batches_and_rejects_fractions(capsys):
+    check_same_batch_settings(lambda k: ResNetSettings(256 // k, 0.1 / k))
+    assert said(capsys).startswith("correct")
+    check_same_batch_settings(lambda k: ResNetSettings(256 / k, 0.1 / k))  # 32.0 examples
+    assert "whole number of examples" in said(capsys)
+    check_same_batch_settings(lambda k: ResNetSettings(256 // k, 0.1))
+    assert "learning rate" in said(capsys)
+    check_same_batch_settings(lambda k: ResNetSettings(256, 0.1 / k))
+    assert "global batch" in said(capsys)
+
+
+def largest_remainder(n, speeds):
+    """Shares of n by speed, rounded down, the rest to the largest remainders (independent)."""
+    total = sum(speeds)
+    sizes = [int(n * s // total) for s in speeds]
+    order = sorted(range(len(speeds)), key=lambda i: n * speeds[i] / total - sizes[i])
+    for i in order[len(order) - (n - sum(sizes)):]:
+        sizes[i] += 1
+    return sizes
+
+
+def test_shard_sizes_accepts_integer_shares_and_rejects_floats_and_far_ones(capsys):
+    check_shard_sizes(largest_remainder)
+    assert said(capsys).startswith("correct")
+    check_shard_sizes(lambda n, speeds: [n * s / sum(speeds) for s in speeds])  # exact, not ints
+    assert "must be an int" in said(capsys)
+    check_shard_sizes(lambda n, speeds: [n // len(speeds)] * (len(speeds) - 1)
+                      + [n - n // len(speeds) * (len(speeds) - 1)])  # ignores the speeds
+    assert "less than one example away" in said(capsys)
+
+
+def add_grad_to(original, copy, clear=True):
+    copy_grad = copy.grad.to(original.device)
+    original.grad = copy_grad if original.grad is None else original.grad + copy_grad
+    if clear:
+        copy.grad = None
+
+
+class HookedCopies(nn.Module):
+    """Detached copies made once, refreshed in place; a hook passes their gradients on."""
+
+    def __init__(self, module, devs, clear=True, refresh=True):
+        super().__init__()
+        self.module, self.devs, self.refresh = module, list(devs), refresh
+        originals = replicate(module, self.devs[:1])[0]
+        self.replicas = [{n: t.detach().to(d, copy=True) for n, t in originals.items()}
+                         for d in self.devs[1:]]
+        for replica in self.replicas:
+            for n, t in replica.items():
+                t.requires_grad_().register_post_accumulate_grad_hook(
+                    partial(add_grad_to, originals[n], clear=clear))
+
+    def forward(self, X):
+        originals = replicate(self.module, self.devs[:1])[0]
+        if self.refresh:
+            with torch.no_grad():
+                for replica in self.replicas:
+                    for n, t in replica.items():
+                        t.copy_(originals[n])
+        shards = scatter(X, self.devs)
+        states = [originals] + self.replicas
+        return gather(parallel_apply(self.module, states[:len(shards)], shards), self.devs[0])
+
+
+class AttachedCopies(HookedCopies):
+    """Copies made once without detach: autograd carries their gradients to the originals."""
+
+    def __init__(self, module, devs):
+        nn.Module.__init__(self)
+        self.module, self.devs, self.refresh = module, list(devs), True
+        originals = replicate(module, self.devs[:1])[0]
+        self.replicas = [{n: t.to(d, copy=True) for n, t in originals.items()}
+                         for d in self.devs[1:]]
+
+
+class StoresButReplicates(ScratchDataParallel):
+    """Keeps copies in self.replicas but computes with new ones every step."""
+
+    def __init__(self, module, devs):
+        super().__init__(module, devs)
+        self.replicas = replicate(module, self.devs)[1:]
+
+
+class NoReplicas(ScratchDataParallel):
+    replicas = []
+
+
+@pytest.mark.parametrize("wrapper", [HookedCopies, AttachedCopies])
+def test_cached_wrapper_accepts_copies_with_hooks_and_attached_copies(capsys, wrapper):
+    check_cached_wrapper(wrapper)
+    assert said(capsys).startswith("correct")
+
+
+@pytest.mark.parametrize("wrapper, reason", [
+    (StoresButReplicates, "does not compute with the copies"),
+    (NoReplicas, "keep the copies in self.replicas"),
+    (partial(HookedCopies, clear=False), "clear each copy's .grad"),
+    (partial(HookedCopies, refresh=False), "refreshed after each optimizer.step()"),
+    (ScratchDataParallel, "keep the copies in self.replicas"),
+])
+def test_cached_wrapper_rejects_unused_missing_stale_or_uncleared_copies(capsys, wrapper, reason):
+    check_cached_wrapper(wrapper)
+    out = said(capsys)
+    assert out.startswith("not quite") and reason in out
+
+
+def test_bytes_received_accepts_the_count_and_names_the_own_shard_mistake(capsys):
+    n_params = sum(p.numel() for p in resnet18().parameters())
+    shard_outputs, replica_grads = 256 * 10 * 4, n_params * 4
+    check_bytes_received(3 * shard_outputs + 3 * replica_grads)
+    assert said(capsys).startswith("correct")
+    check_bytes_received(4 * shard_outputs + 3 * replica_grads)
+    assert "its own shard" in said(capsys)
+    check_bytes_received(3 * replica_grads)
+    assert "gradients only" in said(capsys)
+    check_bytes_received(4 * shard_outputs + 4 * replica_grads)
+    assert "not from itself" in said(capsys)
