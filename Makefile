@@ -1,5 +1,5 @@
 # Shortcuts for course.py, which does the work (and needs nothing but Python >= 3.10).
-.PHONY: setup lab test bench clean
+.PHONY: setup lab test bench slides clean
 setup:
 	python3 course.py setup
 lab:
@@ -8,5 +8,7 @@ test:
 	python3 course.py test
 bench:
 	python3 course.py bench
+slides:
+	python3 course.py slides
 clean:
 	rm -rf .venv .pytest_cache build *.egg-info
