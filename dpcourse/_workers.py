@@ -1,0 +1,172 @@
+"""Functions the tests run on every rank with ``launch`` (spawned ranks import them here)."""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import p2p
+from .launch import rank_device
+
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+               "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+               "all_to_all_single", "gather", "scatter", "barrier", "monitored_barrier",
+               "broadcast_object_list")
+
+
+def whoami(tag: str) -> dict:
+    """This rank's view of the group and of its threads; prints one line."""
+    rank = dist.get_rank()
+    print(f"rank {rank} says {tag}")
+    return {"rank": rank, "world": dist.get_world_size(), "tag": tag,
+            "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+            "device": str(rank_device()),
+            "tensor": torch.full((2,), float(rank), requires_grad=True) * 2}
+
+
+def fail_on(bad_rank: int) -> int:
+    """bad_rank raises; the others wait for it in a barrier."""
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    dist.barrier()
+    return dist.get_rank()
+
+
+def hang_on(slow_rank: int) -> int:
+    """slow_rank sleeps instead of joining the collective the others wait in."""
+    if dist.get_rank() == slow_rank:
+        time.sleep(3600)
+    dist.all_reduce(torch.zeros(1))
+    return dist.get_rank()
+
+
+@contextmanager
+def no_collectives() -> Iterator[None]:
+    """Make every collective of torch.distributed raise while inside (in both the public
+    namespace and the module torch's own helpers call)."""
+    def forbidden(name: str):
+        def call(*args, **kwargs):
+            raise AssertionError(f"collective dist.{name} called")
+        return call
+    modules = (dist, dist.distributed_c10d)
+    saved = [(m, name, getattr(m, name)) for m in modules for name in COLLECTIVES
+             if hasattr(m, name)]
+    for module, name, _ in saved:
+        setattr(module, name, forbidden(name))
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def rank_input(numel: int, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    """This rank's own input: numel values drawn from its rank, optionally non-contiguous."""
+    g = torch.Generator().manual_seed(1000 * dist.get_rank() + numel)
+    if dtype == torch.int64:
+        x = torch.randint(-1000, 1000, (numel,), generator=g)
+    else:
+        x = torch.randn(numel, generator=g, dtype=dtype)
+    if transposed:  # numel = rows * cols: a transposed view, not contiguous
+        return x.view(-1, 10).t()
+    return x
+
+
+def p2p_against_all_reduce(cases: list[tuple], worlds: list[int]) -> list[dict]:
+    """For each group of the first w ranks (w in worlds) and each case (algorithm, numel,
+    dtype, transposed, keyword arguments): our sum, dist.all_reduce's sum and the elements
+    sent, with every collective forbidden while ours runs."""
+    groups = {w: dist.new_group(list(range(w))) for w in worlds}  # every rank, same order
+    out = []
+    for w in worlds:
+        if dist.get_rank() >= w:
+            continue
+        for name, numel, dtype, transposed, kwargs in cases:
+            x = rank_input(numel, dtype, transposed)
+            expected = x.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(expected, group=groups[w])
+            with no_collectives():
+                sent = getattr(p2p, name)(x, groups[w], **kwargs)
+            out.append({"world": w, "case": (name, numel, dtype, transposed, kwargs),
+                        "result": x, "expected": expected, "sent": sent,
+                        "contiguous": x.is_contiguous()})
+    return out
+
+
+# --- ScratchDDP against torch's DistributedDataParallel ----------------------------------
+
+STEPS = 3
+SOMETIMES_STEP = 1  # the step in which TiedNet.sometimes is left unused
+
+
+class TiedNet(nn.Module):
+    """A small net with a tied weight, a frozen layer, a buffer and a sometimes-unused layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+        self.sometimes = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+        self.head.weight = self.hidden.weight  # tied: one parameter used by two layers
+        self.register_buffer("offset", torch.randn(8))
+
+    def forward(self, x: torch.Tensor, use_sometimes: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.hidden(torch.tanh(self.embed(x))))
+        h = self.frozen(h) + self.offset
+        if use_sometimes:
+            h = h + self.sometimes(h)
+        return self.head(h)
+
+
+def tied_net(seed: int) -> TiedNet:
+    """TiedNet in float64, its initial weights drawn from seed."""
+    torch.manual_seed(seed)
+    return TiedNet().double()
+
+
+def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int) -> dict:
+    """STEPS steps of SGD on this rank's share of each global batch; the final state.
+
+    With micro_batches=2 each step accumulates two micro-batches (all but the last under
+    no_sync, when the model has it)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(micro_batches):
+            g = torch.Generator().manual_seed(100 * step + micro)
+            x = torch.randn(8, 6, generator=g, dtype=torch.float64).chunk(world)[rank]
+            y = torch.randn(8, 8, generator=g, dtype=torch.float64).chunk(world)[rank]
+            last = micro == micro_batches - 1
+            with (nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()):
+                out = model(x, use_sometimes=step != SOMETIMES_STEP)
+                nn.functional.mse_loss(out, y).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def ddp_runs(configs: list[dict]) -> list[dict]:
+    """Train a TiedNet, initialised differently on every rank, under each config:
+    {"ddp": "scratch" or "torch", "cap": bucket_cap_mb, "ring": bool, "micro": 1 or 2}."""
+    from .ddp import ScratchDDP
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for cfg in configs:
+        net = tied_net(seed=rank)
+        if cfg["ddp"] == "scratch":
+            model = ScratchDDP(net, cfg["cap"], ring=cfg["ring"])
+        else:
+            model = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+        state = train_steps(model, rank, world, cfg["micro"])
+        out.append({"config": cfg, "state": state,
+                    "buckets": len(getattr(model, "buckets", [])),
+                    "launched_in_backward": getattr(model, "launched_in_backward", None),
+                    "allreduces": getattr(model, "allreduces", None),
+                    "timeline": model.timeline() if hasattr(model, "timeline") else []})
+    return out

@@ -1,0 +1,187 @@
+"""Chapter 07: DistributedDataParallel built by hand.
+
+``ScratchDDP(module)`` is a drop-in for ``torch.nn.parallel.DistributedDataParallel`` on the
+loop ``out = model(x); loss.backward(); opt.step()``: rank 0's parameters and buffers are
+broadcast at construction, and gradients are averaged across ranks in buckets whose
+allreduce starts, asynchronously, as soon as the bucket's last gradient is ready - while
+backward goes on. When ``backward()`` returns, every gradient is synchronised.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import p2p
+
+
+def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float) -> list[list[nn.Parameter]]:
+    """params in reverse order, grouped into buckets of at most bucket_cap_mb MiB.
+
+    Backward produces gradients roughly from the last layer to the first, hence the reverse
+    order. A parameter larger than the cap gets a bucket of its own; bucket_cap_mb=0 gives
+    one bucket per parameter. A bucket holds one dtype and one device.
+    """
+    if bucket_cap_mb < 0:
+        raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+    cap = bucket_cap_mb * 2**20
+    buckets: list[list[nn.Parameter]] = []
+    size = 0.0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        last = buckets[-1][-1] if buckets else None
+        if (last is None or size + nbytes > cap or p.dtype != last.dtype
+                or p.device != last.device):
+            buckets.append([])
+            size = 0.0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+@dataclass
+class Bucket:
+    """One bucket: its parameters, how many are ready, and its allreduce in flight."""
+    params: list[nn.Parameter]
+    ready: int = 0
+    flat: torch.Tensor | None = None
+    work: Any = None  # a torch.distributed Work, or a Future of the ring
+    times: dict[str, float] = field(default_factory=dict)
+
+
+class ScratchDDP(nn.Module):
+    """Average gradients across the ranks of the default group, bucket by bucket.
+
+    bucket_cap_mb: bucket size cap in MiB (0: one bucket per parameter). ring: reduce the
+    buckets with our p2p.ring_allreduce (in a helper thread) instead of dist.all_reduce.
+    broadcast_buffers: re-broadcast rank 0's buffers before each forward, as torch does.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *, ring: bool = False,
+                 broadcast_buffers: bool = True) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("ScratchDDP needs the default process group: build it in a "
+                               "function run by dpcourse.launch.launch")
+        self.module = module
+        self.ring = ring
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self.world = dist.get_world_size()
+        params = [p for p in module.parameters() if p.requires_grad]  # tied ones once
+        self.buckets = [Bucket(ps) for ps in make_buckets(params, bucket_cap_mb)]
+        self._where = {p: i for i, b in enumerate(self.buckets) for p in b.params}
+        self._executor = ThreadPoolExecutor(1, "scratch-ddp-ring") if ring else None
+        self._syncing = False  # whether the current forward's backward synchronises
+        self._next = 0  # the next bucket to launch: buckets go in index order on every rank
+        self._callback_queued = False
+        self.launched_in_backward = 0  # buckets whose allreduce overlapped backward, last step
+        self.allreduces = 0  # bucket allreduces since construction
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module; the next backward synchronises unless inside no_sync()."""
+        if self.broadcast_buffers and self.world > 1:
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b, src=0)
+        self._syncing = self.require_backward_grad_sync and self.world > 1
+        self._reset()
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: forward and backward inside skip synchronisation."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def timeline(self) -> list[tuple[int, float, float]]:
+        """(bucket, launched, finished) of the last synchronised backward, perf_counter s."""
+        return [(i, b.times["launched"], b.times["finished"])
+                for i, b in enumerate(self.buckets) if "finished" in b.times]
+
+    # --- during backward ---
+
+    def _reset(self) -> None:
+        for b in self.buckets:
+            b.ready, b.flat, b.work, b.times = 0, None, None, {}
+        self._next, self._callback_queued, self.launched_in_backward = 0, False, 0
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: param's gradient is final for this backward."""
+        if not self._syncing:
+            return
+        if not self._callback_queued:  # runs once backward has finished
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+        self.buckets[self._where[param]].ready += 1
+        while (self._next < len(self.buckets)
+               and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
+            self._launch(self._next)
+            self.launched_in_backward += 1
+
+    def _launch(self, i: int) -> None:
+        """Start averaging bucket i (a parameter without gradient counts as zeros)."""
+        bucket = self.buckets[i]
+        self._next = i + 1
+        with torch.no_grad():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                              .reshape(-1) for p in bucket.params])
+            flat.div_(self.world)  # as torch's DDP: divide first, then sum
+        bucket.flat = flat
+        bucket.times["launched"] = time.perf_counter()
+        self.allreduces += 1
+        if self._executor is not None:
+            bucket.work = self._executor.submit(_timed, p2p.ring_allreduce, flat, bucket.times)
+        else:
+            bucket.work = dist.all_reduce(flat, async_op=True)
+            bucket.work.get_future().add_done_callback(
+                lambda _, times=bucket.times: times.setdefault("finished", time.perf_counter()))
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left (unused parameters), wait, write grads."""
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        for bucket in self.buckets:
+            if isinstance(bucket.work, Future):
+                bucket.work.result()
+            else:
+                bucket.work.wait()
+                bucket.times.setdefault("finished", time.perf_counter())
+            _write_grads(bucket.params, bucket.flat)
+            bucket.flat = bucket.work = None
+        self._syncing = False
+
+
+def _timed(fn: Any, tensor: torch.Tensor, times: dict[str, float]) -> Any:
+    """fn(tensor), noting when it finished in times."""
+    out = fn(tensor)
+    times["finished"] = time.perf_counter()
+    return out
+
+
+@torch.no_grad()
+def _write_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy each parameter's slice of flat into its gradient (created if missing)."""
+    offset = 0
+    for p in params:
+        piece = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if p.grad is None:
+            p.grad = piece.clone()
+        else:
+            p.grad.copy_(piece)

@@ -1,0 +1,94 @@
+"""ScratchDDP trains like one process on the global batch and like torch's DDP.
+
+One launch of 2 ranks trains a TiedNet (a tied weight, a frozen layer, a buffer, a layer
+unused in one step), initialised differently on each rank, under every configuration;
+the single-process reference is trained here, from rank 0's initial weights.
+"""
+import pytest
+import torch
+from torch import nn
+
+from dpcourse import _workers
+from dpcourse.ddp import make_buckets
+from dpcourse.launch import launch
+
+WORLD = 2
+ONE_BUCKET, TWO_BUCKETS, PER_PARAMETER = 25.0, 1000 / 2**20, 0.0  # TiedNet holds 1664 bytes
+CONFIGS = (
+    [{"ddp": "scratch", "cap": cap, "ring": ring, "micro": 1}
+     for ring in (False, True) for cap in (ONE_BUCKET, TWO_BUCKETS, PER_PARAMETER)]
+    + [{"ddp": "scratch", "cap": PER_PARAMETER, "ring": ring, "micro": 2}
+       for ring in (False, True)]
+    + [{"ddp": "torch", "micro": 1}, {"ddp": "torch", "micro": 2}])
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[list[dict]]:
+    """For each rank, one record per config: the final state_dict and bucket statistics."""
+    return launch(_workers.ddp_runs, CONFIGS, world_size=WORLD, backend="gloo", timeout=120)
+
+
+def single_process(micro_batches: int) -> dict:
+    """The reference: rank 0's initial weights, trained on the whole of every batch."""
+    return _workers.train_steps(_workers.tied_net(seed=0), 0, 1, micro_batches)
+
+
+def unprefixed(state: dict) -> dict:
+    assert all(k.startswith("module.") for k in state)  # as torch's DDP and DataParallel
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+@pytest.mark.parametrize("i", range(len(CONFIGS)), ids=lambda i: str(CONFIGS[i]))
+def test_training_equals_one_process_on_the_global_batch(runs, i):
+    reference = single_process(CONFIGS[i]["micro"])
+    for rank in range(WORLD):
+        state = unprefixed(runs[rank][i]["state"])
+        assert state.keys() == reference.keys()
+        for name, value in reference.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("i", range(len(CONFIGS) - 2), ids=lambda i: str(CONFIGS[i]))
+def test_scratch_equals_torch_ddp(runs, i):
+    torch_run = CONFIGS.index({"ddp": "torch", "micro": CONFIGS[i]["micro"]})
+    for rank in range(WORLD):
+        ours, theirs = runs[rank][i]["state"], runs[rank][torch_run]["state"]
+        for name in theirs:
+            torch.testing.assert_close(ours[name], theirs[name], rtol=1e-9, atol=1e-12)
+
+
+def test_bucket_counts_and_overlap(runs):
+    expected = {ONE_BUCKET: 1, TWO_BUCKETS: 2, PER_PARAMETER: 7}  # 7 trainable, tied once
+    for record in runs[0]:
+        cfg = record["config"]
+        if cfg["ddp"] == "scratch":
+            assert record["buckets"] == expected[cfg["cap"]]
+            # in the last step every layer is used: each bucket launched during backward
+            assert record["launched_in_backward"] == record["buckets"]
+            assert [b for b, _, _ in record["timeline"]] == list(range(record["buckets"]))
+            # one allreduce per bucket and step: none under no_sync, none for the frozen layer
+            assert record["allreduces"] == _workers.STEPS * record["buckets"]
+
+
+def test_frozen_parameter_and_buffer_are_rank_0s_on_every_rank(runs):
+    start = _workers.tied_net(seed=0)
+    for rank in range(WORLD):
+        for record in runs[rank]:
+            state = unprefixed(record["state"])
+            torch.testing.assert_close(state["frozen.weight"], start.frozen.weight.detach())
+            torch.testing.assert_close(state["offset"], start.offset)
+
+
+def test_buckets_are_reverse_order_and_capped():
+    layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # 64, 16, 32, 8 bytes (float32)
+    params = list(layers.parameters())
+    names = {id(p): n for n, p in layers.named_parameters()}
+
+    def named(cap):
+        return [[names[id(p)] for p in b] for b in make_buckets(params, cap)]
+    assert named(1.0) == [["1.bias", "1.weight", "0.bias", "0.weight"]]
+    assert named(56 / 2**20) == [["1.bias", "1.weight", "0.bias"], ["0.weight"]]
+    assert named(0) == [["1.bias"], ["1.weight"], ["0.bias"], ["0.weight"]]
+    assert named(10 / 2**20) == [["1.bias"], ["1.weight"], ["0.bias"], ["0.weight"]]
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        make_buckets(params, -1)

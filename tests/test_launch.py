@@ -1,0 +1,144 @@
+"""launch: values in rank order, clear errors for failing and hanging ranks, no process left."""
+import multiprocessing as mp
+import signal
+import sys
+import tempfile
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpcourse import _workers
+from dpcourse.launch import LaunchTimeoutError, RankError, choose_backend, launch
+
+try:
+    import psutil
+except ImportError:  # psutil is a test extra; multiprocessing's own view still applies
+    psutil = None
+
+
+def children_left() -> list[str]:
+    """This process's child processes, except multiprocessing's resource tracker."""
+    names = [repr(p) for p in mp.active_children()]
+    if psutil is not None:
+        for child in psutil.Process().children(recursive=True):
+            try:
+                cmd = " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            if "resource_tracker" not in cmd and child.status() != psutil.STATUS_ZOMBIE:
+                names.append(cmd)
+    return names
+
+
+def launch_dirs() -> set:
+    """The temporary directories of launches (each launch removes its own)."""
+    return set(Path(tempfile.gettempdir()).glob("dpcourse-launch-*"))
+
+
+def test_two_launches_at_once_each_return_values_in_rank_order(capsys):
+    dirs_before = launch_dirs()
+    results = {}
+    worlds = {"a": 3, "b": 2}
+
+    def run(tag: str) -> None:
+        try:
+            results[tag] = launch(_workers.whoami, tag, world_size=worlds[tag], backend="gloo",
+                                  timeout=120)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test, not the thread
+            results[tag] = exc
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in worlds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    for tag, world in worlds.items():
+        values = results[tag]
+        assert isinstance(values, list), f"launch {tag} failed: {values!r}"
+        assert [(v["rank"], v["world"], v["tag"]) for v in values] == [
+            (rank, world, tag) for rank in range(world)]
+        assert [v["tensor"].tolist() for v in values] == [[2.0 * r] * 2 for r in range(world)]
+        assert all(v["threads"] == 1 and v["omp"] == "1" for v in values)  # 1 thread per rank
+        assert {v["device"] for v in values} == {"cpu"}  # gloo: every rank on the CPU
+    printed = capsys.readouterr().out  # what the ranks printed, replayed rank by rank
+    assert printed.index("rank 0 says a") < printed.index("rank 1 says a") < printed.index(
+        "rank 2 says a")
+    assert children_left() == []
+    assert launch_dirs() <= dirs_before
+
+
+def test_a_raising_rank_is_named_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_workers.fail_on, 1, backend="gloo", timeout=60)
+    assert time.monotonic() - start < 60
+    assert info.value.rank == 1
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 raised ValueError: deliberate failure on rank 1")
+    assert "Traceback" in message and "in fail_on" in message
+    assert children_left() == []
+    # the next launch, right after, starts afresh (and threads is honoured)
+    assert launch(_workers.whoami, "again", world_size=1, threads=2)[0]["threads"] == 2
+
+
+def test_a_hanging_rank_ends_in_a_timeout_error_naming_the_running_ranks():
+    timeout = 8.0
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError, match="timed out after 8 s") as info:
+        launch(_workers.hang_on, 1, backend="gloo", timeout=timeout)
+    assert time.monotonic() - start < timeout + 6
+    assert info.value.ranks == [0, 1]  # rank 1 sleeps, rank 0 waits for it in all_reduce
+    assert isinstance(info.value, TimeoutError)
+    assert children_left() == []
+
+
+def test_ctrl_c_stops_every_rank():
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, ctrl_c)
+    signal.setitimer(signal.ITIMER_REAL, 6.0)  # "Ctrl-C" 6 s into a launch that would hang
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(_workers.hang_on, 0, world_size=1, timeout=60)  # rank 0 sleeps
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert children_left() == []
+
+
+def test_a_notebook_function_gets_a_clear_error(monkeypatch):
+    notebook_main = types.ModuleType("__main__")  # like Jupyter's: no file to import it from
+    monkeypatch.setitem(sys.modules, "__main__", notebook_main)
+
+    def hello():
+        return 1
+    hello.__module__ = "__main__"
+    with pytest.raises(ValueError, match="defined in a notebook.*importable|import"):
+        launch(hello)
+    with pytest.raises(ValueError, match="cannot send"):
+        launch(lambda: 1)
+
+
+def test_bad_arguments_and_backends():
+    with pytest.raises(ValueError, match="world_size"):
+        launch(_workers.whoami, "x", world_size=0)
+    with pytest.raises(ValueError, match="threads"):
+        launch(_workers.whoami, "x", threads=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="nccl needs one GPU per rank"):
+            launch(_workers.whoami, "x", backend="nccl")
+    with pytest.raises(ValueError, match="backend"):
+        choose_backend(2, "mpi")
+
+
+def test_choose_backend_says_when_it_falls_back_to_gloo(capsys):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = choose_backend(gpus + 1)
+    assert backend == "gloo"
+    assert capsys.readouterr().out == (
+        f"launch: {gpus + 1} rank{'s' if gpus else ''}, {gpus} GPU{'' if gpus == 1 else 's'}: "
+        "gloo backend, every rank on the CPU\n")
+    assert choose_backend(2, "gloo") == "gloo" and capsys.readouterr().out == ""
