@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import torch
 
 # ---- chapter 00 ----
 

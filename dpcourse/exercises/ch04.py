@@ -1,7 +1,6 @@
 """Checkers for chapter 04's exercises (splitting minibatches)."""
 from __future__ import annotations
 
-import numbers
 import random
 from fractions import Fraction
 from typing import Callable, Iterable
@@ -9,6 +8,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..split import split_batch
+from . import is_int
 
 
 def check_shard_sizes(n: int, k: int, answer: list[int] | None) -> None:
@@ -77,7 +77,7 @@ def check_weighted_sizes(fn: Callable[[int, list[float]], list[int]] | None) -> 
     for n, speeds in weighted_cases():
         sizes = list(fn(n, list(speeds)))
         ideal = [n * Fraction(s) / sum(map(Fraction, speeds)) for s in speeds]  # exact
-        whole = all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in sizes)
+        whole = all(is_int(s) for s in sizes)
         if len(sizes) != len(speeds) or not whole or sum(sizes) != n:
             return print(f"not quite: for n={n}, speeds {speeds} you give {sizes}; "
                          f"one whole number per device, {n} in all")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import numbers
 from typing import Any, Callable
 
 import torch
@@ -11,22 +10,17 @@ from torch.overrides import TorchFunctionMode
 
 from ..data_parallel import ScratchDataParallel, sgd_steps
 from ..resnet import resnet18
-
-
-def _not_answered(answer: Any) -> bool:
-    if answer is None:
-        print("not answered yet")
-    return answer is None
+from . import answered, is_int
 
 
 def check_same_batch_settings(same_batch_settings: Callable[[int], Any] | None) -> None:
     """Exercise 1: settings for k devices with the textbook's 1-GPU run's global batch 256 and
     learning rate 0.1."""
-    if _not_answered(same_batch_settings):
+    if not answered(same_batch_settings):
         return
     for k in (1, 2, 4, 8):
         s = same_batch_settings(k)
-        if not isinstance(s.batch_per_device, numbers.Integral):
+        if not is_int(s.batch_per_device):
             print(f"not quite: on {k} devices batch_per_device is {s.batch_per_device!r}, but a "
                   "batch holds a whole number of examples: use 256 // k")
             return
@@ -45,12 +39,12 @@ def check_same_batch_settings(same_batch_settings: Callable[[int], Any] | None) 
 def check_shard_sizes(shard_sizes: Callable[[int, list[float]], list[int]] | None) -> None:
     """Exercise 2: whole-number shard sizes that sum to n, each less than one example away from
     its share of n in proportion to the devices' speeds."""
-    if _not_answered(shard_sizes):
+    if not answered(shard_sizes):
         return
     for n, speeds in [(256, [1, 1]), (256, [3, 1]), (10, [1, 1, 1]), (100, [5, 5, 1]),
                       (7, [1, 1, 1, 1, 1, 1, 1, 1]), (513, [2.5, 1, 0.5])]:
         sizes = list(shard_sizes(n, speeds))
-        if not all(isinstance(size, numbers.Integral) for size in sizes):
+        if not all(is_int(size) for size in sizes):
             print(f"not quite: shard_sizes({n}, {speeds}) = {sizes}; a shard holds a whole "
                   "number of examples, so every size must be an int")
             return
@@ -111,7 +105,7 @@ def _cached_wrapper_problem(wrapper: nn.Module, n_extra: int, X: torch.Tensor) -
 def check_cached_wrapper(wrapper_class: type | None) -> None:
     """Exercise 3: a wrapper that keeps its copies between steps, computes with them, and still
     takes the steps of ScratchDataParallel (in float64, 3 SGD steps on 3 simulated devices)."""
-    if _not_answered(wrapper_class):
+    if not answered(wrapper_class):
         return
     devs = [torch.device("cpu", i) for i in range(3)]  # devices(3, simulate=True), silently
     torch.manual_seed(0)
@@ -151,7 +145,7 @@ def check_cached_wrapper(wrapper_class: type | None) -> None:
 def check_bytes_received(answer: float | None) -> None:
     """Exercise 4: bytes device 0 receives per step for dpcourse's resnet18 on 4 devices,
     per-device batch 256: the 3 other shards' outputs plus the 3 other replicas' gradients."""
-    if _not_answered(answer):
+    if not answered(answer):
         return
     n = sum(p.numel() for p in resnet18().parameters())
     outputs, grads = 3 * 256 * 10 * 4, 3 * n * 4
