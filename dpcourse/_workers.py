@@ -170,3 +170,16 @@ def ddp_runs(configs: list[dict]) -> list[dict]:
                     "allreduces": getattr(model, "allreduces", None),
                     "timeline": model.timeline() if hasattr(model, "timeline") else []})
     return out
+
+
+def evaluate_on_rank_0_only() -> float:
+    """Rank 0 alone evaluates a ScratchDDP model with a buffer (batch norm) under no_grad,
+    then every rank trains one step: no collective may run during the evaluation."""
+    torch.manual_seed(0)
+    from .ddp import ScratchDDP
+    model = ScratchDDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            model(torch.randn(8, 4))
+    model(torch.randn(8, 4)).sum().backward()
+    return model.module[0].weight.grad.sum().item()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Callable
@@ -12,6 +13,8 @@ from .collectives import allreduce, get_params
 from .hardware import devices, synchronize
 from .lenet import init_lenet_params, lenet, loss
 from .ring import ring_allreduce
+from .throughput import (bus_bandwidth, compare_allreduce, compare_ddp,
+                         compare_processes_and_threads)
 from .training import sgd, train_batch
 
 
@@ -95,6 +98,42 @@ def bench_allreduce(repeats: int) -> None:
                   f" {busiest[0]:13.2f}N {busiest[1]:12.2f}N")
 
 
+def verdict(ratio: float, target: float) -> str:
+    """The ratio, the issue's target next to it, and whether it is met."""
+    met = "meets target" if ratio >= target else "below target"
+    return f"x{ratio:.2f} (target >= {target}x: {met})"
+
+
+def bench_processes(repeats: int) -> None:
+    """Chapter 07 on real processes (gloo over loopback), each comparison in one run."""
+    rounds = max(3, repeats // 4)  # a training round takes seconds
+    numel = 16 * 2**20
+    print(f"\nChapter 07, separate processes (load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores: other work slows them unevenly)."
+          f"\nAllreduce of 64 MiB of float32 (median of {repeats}), "
+          "bus bandwidth 2(w-1)/w * bytes / s:")
+    for world in (2, 4):
+        seconds = compare_allreduce([numel], world_size=world, repeats=repeats, timeout=300)
+        busbw = {name: bus_bandwidth(4 * numel, t[numel], world) / 1e9
+                 for name, t in seconds.items()}
+        ring, gloo = busbw["p2p.ring_allreduce"], busbw["dist.all_reduce"]
+        print(f"  {world} processes: gloo {gloo:.2f} GB/s, p2p.ring_allreduce {ring:.2f} GB/s, "
+              f"p2p.allreduce {busbw['p2p.allreduce']:.2f} GB/s; "
+              f"ring/gloo {verdict(ring / gloo, 0.9)}")
+    steps = 30
+    ddp = compare_ddp(steps=steps, repeats=rounds, timeout=300)
+    print(f"LeNet training, 2 processes x 128 images, {steps} steps (median of {rounds} "
+          "rounds): " + ", ".join(f"{name} {rate:.0f} images/s" for name, rate in ddp.items()))
+    print(f"  ScratchDDP/torch DDP {verdict(ddp['ScratchDDP'] / ddp['torch DDP'], 0.95)}; "
+          f"with our ring x{ddp['ScratchDDP, ring'] / ddp['torch DDP']:.2f}")
+    pt = compare_processes_and_threads(steps=steps, repeats=rounds, timeout=300)
+    threads, processes = pt["1 process x 2 threads"], pt["2 processes x 1 thread"]
+    print(f"LeNet training, 256 images per step, {steps} steps (median of {rounds} rounds): "
+          f"1 process x 2 threads {threads:.0f} images/s, 2 processes x 1 thread (torch DDP) "
+          f"{processes:.0f} images/s")
+    print(f"  2 processes / 1 process {verdict(processes / threads, 1.3)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=20)
@@ -107,6 +146,7 @@ def main() -> None:
           + ", ".join(f"{n} thread(s) {t * 1e3:.1f} ms" for n, t in times.items()))
     bench_train_batch(args.batch_size, args.repeats)
     bench_allreduce(args.repeats)
+    bench_processes(args.repeats)
 
 
 if __name__ == "__main__":

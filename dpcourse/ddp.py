@@ -21,6 +21,22 @@ from torch import nn
 from . import p2p
 
 
+@torch.no_grad()
+def broadcast_parameters(module: nn.Module) -> None:
+    """Step 1: give every rank rank 0's parameters and buffers, so that all start alike."""
+    for t in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(t, src=0)
+
+
+@torch.no_grad()
+def average_gradients(module: nn.Module) -> None:
+    """Step 2, after backward: replace each gradient by its average over the ranks."""
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
 def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float) -> list[list[nn.Parameter]]:
     """params in reverse order, grouped into buckets of at most bucket_cap_mb MiB.
 
@@ -36,7 +52,7 @@ def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float) -> list[list[
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
         last = buckets[-1][-1] if buckets else None
-        if (last is None or size + nbytes > cap or p.dtype != last.dtype
+        if (last is None or cap == 0 or size + nbytes > cap or p.dtype != last.dtype
                 or p.device != last.device):
             buckets.append([])
             size = 0.0
@@ -60,7 +76,9 @@ class ScratchDDP(nn.Module):
 
     bucket_cap_mb: bucket size cap in MiB (0: one bucket per parameter). ring: reduce the
     buckets with our p2p.ring_allreduce (in a helper thread) instead of dist.all_reduce.
-    broadcast_buffers: re-broadcast rank 0's buffers before each forward, as torch does.
+    broadcast_buffers: re-broadcast rank 0's buffers before each forward that will synchronise,
+    as torch does. Buckets launch in index order, so a parameter unused on one rank holds back
+    the buckets after its own until backward ends (correct, but no overlap for them).
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *, ring: bool = False,
@@ -83,19 +101,18 @@ class ScratchDDP(nn.Module):
         self._callback_queued = False
         self.launched_in_backward = 0  # buckets whose allreduce overlapped backward, last step
         self.allreduces = 0  # bucket allreduces since construction
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
+        broadcast_parameters(module)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module; the next backward synchronises unless inside no_sync()."""
-        if self.broadcast_buffers and self.world > 1:
+        self._syncing = (self.require_backward_grad_sync and self.world > 1
+                         and torch.is_grad_enabled())  # as torch: no sync for evaluation
+        if self.broadcast_buffers and self._syncing:
             with torch.no_grad():
                 for b in self.module.buffers():
                     dist.broadcast(b, src=0)
-        self._syncing = self.require_backward_grad_sync and self.world > 1
         self._reset()
         return self.module(*args, **kwargs)
 

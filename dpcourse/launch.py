@@ -12,6 +12,7 @@ finds ``fn`` by importing its module, and a notebook's ``__main__`` cannot be im
 """
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -189,6 +190,7 @@ def _run_rank(fn: Callable[..., Any], args: tuple, spec: _Rank) -> None:
         _save_error(work, spec.rank, exc)
     finally:
         if dist.is_initialized():
+            gc.collect()  # free fn's DDP wrappers (cycles through their hooks) while we can
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - the first error is the one that matters

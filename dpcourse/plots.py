@@ -456,3 +456,28 @@ def show_device0_traffic(traffic: dict[str, dict[int, dict[str, float]]]) -> Non
                  "the same bytes on any hardware", fontsize=10)
     fig.tight_layout()
     plt.show()
+
+
+# ---- chapter 07 ----
+
+def show_overlap_timeline(timelines: list[dict]) -> None:
+    """Per rank, the backward pass and each bucket's allreduce (from ScratchDDP.timeline(),
+    in ms after backward began): buckets launched before backward ends overlap it."""
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 1.1 * len(timelines)))
+    colors = plt.cm.tab10.colors
+    for rank, t in enumerate(timelines):
+        row = len(timelines) - 1 - rank
+        start, end = (1e3 * s for s in t["backward"])
+        ax.barh(row + 0.2, end - start, left=start, height=0.3, color="lightgray",
+                edgecolor="black", label="backward" if rank == 0 else None)
+        for i, launched, finished in t["buckets"]:
+            ax.barh(row - 0.2, 1e3 * (finished - launched), left=1e3 * launched, height=0.3,
+                    color=colors[i % 10], edgecolor="black",
+                    label=f"bucket {i}: {t['numels'][i]:,} numbers" if rank == 0 else None)
+    ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in reversed(range(len(timelines)))])
+    ax.set(xlabel="ms after backward began (top bar: backward; bottom: bucket allreduces)")
+    ax.set_title("ScratchDDP: each bucket's allreduce starts as soon as its gradients are "
+                 "ready, while backward goes on", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    plt.show()

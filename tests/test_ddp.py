@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpcourse import _workers
+from dpcourse import _workers, rank_demos
 from dpcourse.ddp import make_buckets
 from dpcourse.launch import launch
 
@@ -92,3 +92,23 @@ def test_buckets_are_reverse_order_and_capped():
     assert named(10 / 2**20) == [["1.bias"], ["1.weight"], ["0.bias"], ["0.weight"]]
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         make_buckets(params, -1)
+
+
+def test_a_parameter_without_elements_gets_its_own_bucket_at_cap_0():
+    params = [nn.Parameter(torch.empty(3)), nn.Parameter(torch.empty(0))]
+    assert [len(b) for b in make_buckets(params, 0)] == [1, 1]
+
+
+def test_broadcast_then_averaged_gradients_equal_one_process_on_the_global_batch():
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(16, 1, 28, 28, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (16,), generator=g)
+    for result in launch(rank_demos.steps_one_and_two, X, y, world_size=WORLD, backend="gloo",
+                         timeout=120):
+        assert result["same start"]  # ranks began from different seeds
+        assert result["gradient difference"] < 1e-12  # float64: rounding only
+
+
+def test_evaluation_under_no_grad_on_rank_0_alone_runs_no_collective():
+    grads = launch(_workers.evaluate_on_rank_0_only, world_size=WORLD, backend="gloo", timeout=30)
+    assert grads[0] == grads[1]  # and the training step after it synchronised as usual

@@ -2,7 +2,8 @@
 
 `python3 course.py execute notebooks/03_*.ipynb solutions/03_*.ipynb`: each notebook runs in a
 fresh kernel from its own folder; consecutive stream outputs are merged and progress-bar
-redraws (text before a carriage return) dropped, so a tqdm bar is stored as its final line.
+redraws (text before a carriage return) dropped, so a tqdm bar is stored as its final line;
+the line ends of shell commands (`!cmd` output comes through a terminal: CR LF) become LF.
 """
 import sys
 import time
@@ -20,6 +21,10 @@ def execute(path: Path, timeout: int = 600) -> float:
     NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     seconds = time.perf_counter() - start
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if output.output_type == "stream":
+                output.text = output.text.replace("\r\n", "\n")
     CoalesceStreamsPreprocessor().preprocess(nb, {})
     nbformat.write(nb, path)
     return seconds

@@ -1,0 +1,227 @@
+"""Chapter 07: how fast many processes go - allreduce bandwidth and training throughput.
+
+Each ``compare_*`` driver runs in the parent (a notebook cell, the benchmark) and starts the
+ranks with ``launch``; the ``*_on_rank`` functions are what every rank runs (top-level, so
+that a spawned process can import them). Inside one launch the variants being compared are
+timed in alternation, round after round, so that a drift in the machine's load hits them
+all alike; each figure is a median over the rounds.
+
+The CPU comparisons use gloo on every host; ``gpu_scaling`` compares 1 GPU with k (nccl).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import p2p
+from .ddp import ScratchDDP
+from .launch import launch, rank_device
+from .lenet import LeNet, init_lenet_params
+
+ALLREDUCES: dict[str, Callable[[torch.Tensor], object]] = {
+    "dist.all_reduce": dist.all_reduce,
+    "p2p.allreduce": p2p.allreduce,
+    "p2p.ring_allreduce": p2p.ring_allreduce,
+}
+DDP_VARIANTS = ("ScratchDDP", "ScratchDDP, ring", "torch DDP")
+WARMUP_STEPS = 3
+LR = 0.05
+
+
+def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
+    """Bytes per second an allreduce of nbytes in seconds moved on each rank's busiest link:
+    2(w-1)/w * nbytes / seconds, the convention of NCCL's tests (comparable across w)."""
+    return 2 * (world_size - 1) / world_size * nbytes / seconds
+
+
+def slowest_rank(seconds: list[float]) -> list[float]:
+    """Each of this rank's timings replaced by the largest any rank measured (a collective).
+
+    A collective is done when its last rank is done; every rank left the barrier before it
+    at about the same moment, so the slowest rank's time is the collective's time.
+    """
+    t = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+# --- allreduce: dist.all_reduce, p2p.allreduce, p2p.ring_allreduce ---------------------------
+
+def allreduce_seconds_on_rank(numels: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """Median seconds per call of each allreduce on float32 tensors of each numel, the
+    algorithms timed round-robin, a barrier before each call, the slowest rank's time."""
+    order = [(name, n) for n in numels for _ in range(repeats) for name in ALLREDUCES]
+    seconds = []
+    for n in numels:
+        x = torch.empty(n)
+        for fn in ALLREDUCES.values():  # warm-up: connections, buffers, caches
+            fn(x.fill_(1.0))
+        for _ in range(repeats):
+            for fn in ALLREDUCES.values():
+                x.fill_(1.0)  # the sum stays small however many calls (not timed)
+                dist.barrier()
+                start = time.perf_counter()
+                fn(x)
+                seconds.append(time.perf_counter() - start)
+    median = medians(order, slowest_rank(seconds))
+    return {name: {n: median[name, n] for n in numels} for name in ALLREDUCES}
+
+
+def compare_allreduce(numels: list[int], world_size: int = 2, repeats: int = 5,
+                      timeout: float = 120.0) -> dict[str, dict[int, float]]:
+    """Median seconds per call of "dist.all_reduce", "p2p.allreduce" and "p2p.ring_allreduce"
+    on float32 tensors of each numel, on world_size processes, measured in one launch."""
+    return launch(allreduce_seconds_on_rank, list(numels), repeats, world_size=world_size,
+                  backend="gloo", timeout=timeout)[0]
+
+
+# --- DDP: ScratchDDP (gloo's all_reduce or our ring) against torch's DDP ---------------------
+
+def random_batch(batch_size: int, seed: int,
+                 device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed random images and labels of LeNet's shape, on device."""
+    g = torch.Generator().manual_seed(seed)
+    X, y = torch.rand(batch_size, 1, 28, 28, generator=g), torch.randint(0, 10, (batch_size,),
+                                                                         generator=g)
+    return X.to(device), y.to(device)
+
+
+def train_step_fn(model: nn.Module, batch_size: int, seed: int,
+                  device: torch.device = torch.device("cpu")) -> Callable[[], None]:
+    """One SGD step of model on its own fixed random batch (on device), mean cross-entropy."""
+    X, y = random_batch(batch_size, seed, device)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X), y).backward()
+        opt.step()
+    return step
+
+
+def ddp_model(variant: str) -> nn.Module:
+    """LeNet wrapped in the named DDP variant."""
+    net = LeNet(init_lenet_params(0, scale=0.1))
+    if variant == "torch DDP":
+        return nn.parallel.DistributedDataParallel(net)
+    return ScratchDDP(net, ring=variant == "ScratchDDP, ring")
+
+
+def timed_steps(step: Callable[[], None], steps: int) -> float:
+    """Seconds of steps calls of step, from a barrier."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - start
+
+
+def ddp_images_per_second_on_rank(steps: int, batch_size: int,
+                                  repeats: int) -> dict[str, float]:
+    """Global images/s of LeNet training with each DDP variant, the variants alternated in
+    repeats rounds of steps steps (median), after a warm-up; the slowest rank's time."""
+    world = dist.get_world_size()
+    train = {v: train_step_fn(ddp_model(v), batch_size, seed=dist.get_rank())
+             for v in DDP_VARIANTS}
+    for step in train.values():
+        for _ in range(WARMUP_STEPS):
+            step()
+    order = [v for _ in range(repeats) for v in DDP_VARIANTS]
+    seconds = slowest_rank([timed_steps(train[v], steps) for v in order])
+    images = world * batch_size * steps
+    return {v: images / t for v, t in medians(order, seconds).items()}
+
+
+def compare_ddp(steps: int = 20, batch_size: int = 128, world_size: int = 2, repeats: int = 3,
+                timeout: float = 120.0) -> dict[str, float]:
+    """LeNet training images/s (global: world_size * batch_size per step) with "ScratchDDP",
+    "ScratchDDP, ring" and "torch DDP", measured in one launch of world_size processes."""
+    return launch(ddp_images_per_second_on_rank, steps, batch_size, repeats,
+                  world_size=world_size, backend="gloo", timeout=timeout)[0]
+
+
+def gpu_images_per_second_on_rank(steps: int, batch_size: int) -> float:
+    """Global images/s of LeNet training with torch's DDP on this rank's GPU, after a warm-up;
+    the slowest rank's time, with the GPU's queue drained before the clock stops."""
+    device = rank_device()
+    net = LeNet(init_lenet_params(0, scale=0.1)).to(device)
+    step = train_step_fn(nn.parallel.DistributedDataParallel(net, device_ids=[device.index]),
+                         batch_size, seed=dist.get_rank(), device=device)
+    for _ in range(WARMUP_STEPS):
+        step()
+
+    def step_and_wait() -> None:
+        step()
+        torch.cuda.synchronize(device)
+    [seconds] = slowest_rank([timed_steps(step_and_wait, steps)])
+    return dist.get_world_size() * batch_size * steps / seconds
+
+
+def gpu_scaling(steps: int = 50, batch_size: int = 128, timeout: float = 120.0) -> dict[str, float]:
+    """LeNet images/s with torch's DDP on 1 GPU and on every GPU of this host (nccl, one
+    process per GPU, batch_size images per GPU)."""
+    k = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if k < 1:
+        raise RuntimeError("gpu_scaling needs at least one GPU; this host has none")
+    return {f"{w} GPU{'s' if w > 1 else ''}": launch(
+                gpu_images_per_second_on_rank, steps, batch_size, world_size=w, backend="nccl",
+                timeout=timeout)[0] for w in sorted({1, k})}
+
+
+# --- processes against threads ---------------------------------------------------------------
+
+def processes_and_threads_on_rank(steps: int, global_batch: int,
+                                  repeats: int) -> dict[str, float]:
+    """Global images/s of LeNet training, alternately: rank 0 alone on global_batch images
+    with 2 threads while rank 1 sleeps in a barrier, then both ranks with torch's DDP on
+    global_batch/2 images each, 1 thread each; repeats rounds (median), after a warm-up."""
+    rank = dist.get_rank()
+    alone = train_step_fn(LeNet(init_lenet_params(0, scale=0.1)), global_batch, seed=0)
+    together = train_step_fn(nn.parallel.DistributedDataParallel(
+        LeNet(init_lenet_params(0, scale=0.1))), global_batch // 2, seed=rank)
+
+    def one_process(n: int) -> float:  # rank 1 waits in the barrier that follows
+        torch.set_num_threads(2)
+        seconds = timed_steps(alone, n if rank == 0 else 0)
+        torch.set_num_threads(1)
+        dist.barrier()
+        return seconds
+
+    def two_processes(n: int) -> float:
+        return timed_steps(together, n)
+
+    cases = {"1 process x 2 threads": one_process, "2 processes x 1 thread": two_processes}
+    for case in cases.values():
+        case(WARMUP_STEPS)
+    order = [name for _ in range(repeats) for name in cases]
+    seconds = slowest_rank([cases[name](steps) for name in order])
+    return {name: global_batch * steps / t for name, t in medians(order, seconds).items()}
+
+
+def compare_processes_and_threads(steps: int = 20, global_batch: int = 256, repeats: int = 3,
+                                  timeout: float = 120.0) -> dict[str, float]:
+    """LeNet images/s of "1 process x 2 threads" (global_batch images per step) against
+    "2 processes x 1 thread" (torch's DDP, global_batch/2 images each), measured in one
+    launch of 2 processes, the two alternated in repeats rounds (median).
+
+    One launch rather than one per configuration: starting processes takes seconds, and
+    rounds within one launch compare the two under the same machine load. While rank 0
+    trains alone, rank 1 sleeps in a barrier and uses no core.
+    """
+    if global_batch < 2 or global_batch % 2:
+        raise ValueError(f"global_batch must be even and >= 2, got {global_batch}")
+    return launch(processes_and_threads_on_rank, steps, global_batch, repeats, world_size=2,
+                  threads=1, backend="gloo", timeout=timeout)[0]
+
+
+def medians(keys: list, values: list[float]) -> dict:
+    """The median of the values given for each key (keys[i] labels values[i])."""
+    groups: dict = {}
+    for key, value in zip(keys, values):
+        groups.setdefault(key, []).append(value)
+    return {key: statistics.median(vs) for key, vs in groups.items()}

@@ -1,0 +1,209 @@
+"""Chapter 07: the training script torchrun starts, one process per device.
+
+    torchrun --standalone --nproc_per_node=2 -m dpcourse.train_ddp --steps 5
+
+Each process reads RANK, LOCAL_RANK and WORLD_SIZE from torchrun, joins the group (nccl with
+one GPU per process, else gloo on the CPU), trains its share of every global batch
+(``DistributedSampler``) under ``ScratchDDP`` or torch's DDP, and checks at the end that every
+replica holds the same parameters. Without torchrun (``python -m dpcourse.train_ddp``) it runs
+as one process of a world of size 1: the same code path, handy for debugging and as a reference.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+from datetime import timedelta
+from itertools import islice
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from .checkpoint import unwrap
+from .concise import make_resnet18
+from .data import SOURCES, Images, fashion_mnist, resolve_source
+from .ddp import ScratchDDP
+from .lenet import LeNet, init_lenet_params
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; every count is a total over the run, resumed steps included."""
+    p = argparse.ArgumentParser(prog="python -m dpcourse.train_ddp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("lenet", "resnet18"), default="lenet",
+                   help="default lenet")
+    p.add_argument("--train-size", type=int, default=4096, help="training images (default 4096)")
+    p.add_argument("--data", choices=SOURCES, default=None,
+                   help="dataset (default: $DPCOURSE_DATA, else auto)")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="images PER PROCESS in each step; the global batch is world size times "
+                        "this (default 64)")
+    p.add_argument("--epochs", type=int, default=1,
+                   help="epochs in total (default 1); training ends at --epochs or --steps, "
+                        "whichever comes first")
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop after this many optimizer steps in total (default: no limit)")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and shuffling")
+    wrapper = p.add_mutually_exclusive_group()
+    wrapper.add_argument("--scratch", dest="ddp", action="store_const", const="scratch",
+                         help="dpcourse.ddp.ScratchDDP (default)")
+    wrapper.add_argument("--torch", dest="ddp", action="store_const", const="torch",
+                         help="torch.nn.parallel.DistributedDataParallel")
+    p.set_defaults(ddp="scratch")
+    p.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
+                   help="resume from PATH if it exists; rank 0 writes it each epoch and at the end")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a collective may wait for the other ranks (default 120)")
+    return p.parse_args(argv)
+
+
+def init_distributed(timeout_s: float) -> torch.device:
+    """Join the default group (torchrun's env://, else a world of one) and return our device."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        where: dict = {"init_method": "env://"}  # MASTER_ADDR and MASTER_PORT from torchrun
+    else:
+        print("No RANK/WORLD_SIZE from torchrun: running as a single process (world size 1)")
+        where = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    timeout = timedelta(seconds=timeout_s)
+    if gpus >= local_world:
+        torch.cuda.set_device(local_rank)  # else every rank would allocate on GPU 0
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device, **where)
+        say(f"Backend: nccl, one GPU per process (processes on this node: {local_world})")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout, **where)
+        say(f"Backend: gloo on the CPU (processes on this node: {local_world}, GPUs: {gpus})")
+    return device
+
+
+def say(message: str) -> None:
+    """Print on rank 0 only."""
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def load_train_data(size: int, source: str | None) -> Images:
+    """The training images; local rank 0 fetches first, so one process per node downloads."""
+    chosen = [resolve_source(source) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)  # every rank uses what rank 0 found
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    data = fashion_mnist("train", size, chosen[0]) if first else None
+    dist.barrier()
+    return data if first else fashion_mnist("train", size, chosen[0])
+
+
+def build_model(name: str, seed: int, device: torch.device) -> nn.Module:
+    """LeNet (scale 0.1, the course's CPU setting) or the course's ResNet-18, on device."""
+    if name == "lenet":
+        return LeNet(init_lenet_params(seed, scale=0.1)).to(device)
+    return make_resnet18(device, seed)
+
+
+def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, epoch: int,
+                    step: int) -> None:
+    """Rank 0 writes path atomically (temp file, then rename); every rank waits for it."""
+    if dist.get_rank() == 0:
+        state = {"model": unwrap(model).state_dict(), "optimizer": opt.state_dict(),
+                 "epoch": epoch, "step": step}
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        tqdm.write(f"Saved {path} (step {step}; a resumed run goes on in epoch {epoch})")
+    dist.barrier()  # nobody reads or overwrites it before it is complete
+
+
+def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer,
+                    device: torch.device) -> tuple[int, int]:
+    """Every rank loads path onto its own device; returns (epoch, step) to resume from."""
+    state = torch.load(path, map_location=device, weights_only=True)
+    unwrap(model).load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    say(f"Loaded {path}: resuming from epoch {state['epoch']}, step {state['step']}")
+    return state["epoch"], state["step"]
+
+
+def check_replicas_agree(model: nn.Module) -> None:
+    """Raise unless every rank holds exactly rank 0's parameters."""
+    mine = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    rank0 = mine.clone()
+    dist.broadcast(rank0, src=0)
+    gap = (mine - rank0).abs().max()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    if gap.item() != 0:
+        raise RuntimeError(f"replicas disagree: a parameter differs from rank 0's by up to "
+                           f"{gap.item():g}; gradients were not synchronised")
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
+    """Train, checkpoint, print one summary line and check the replicas."""
+    data = load_train_data(args.train_size, args.data)
+    say(f"Data: {data.source}, {len(data):,} images; {args.batch_size} per process and step, "
+        f"{args.batch_size * dist.get_world_size()} per global batch")
+    sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
+    loader = DataLoader(data, args.batch_size, sampler=sampler,
+                        pin_memory=device.type == "cuda")
+    model = build_model(args.model, args.seed, device)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    epoch = step = 0
+    if args.checkpoint is not None and args.checkpoint.exists():
+        epoch, step = load_checkpoint(args.checkpoint, model, opt, device)
+    model = ScratchDDP(model) if args.ddp == "scratch" else DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
+    limit = args.steps if args.steps is not None else float("inf")
+    total = min(limit, args.epochs * len(loader))
+    bar = tqdm(total=max(total, step), initial=step, desc=f"{args.ddp} DDP",
+               disable=dist.get_rank() != 0)
+    images, loss, start = 0, torch.full((), float("nan"), device=device), time.perf_counter()
+    for epoch in range(epoch, args.epochs):
+        if step >= limit:
+            break
+        sampler.set_epoch(epoch)  # else every epoch shuffles the same way
+        for X, y in islice(loader, max(0, step - epoch * len(loader)), None):  # skip done ones
+            if step >= limit:
+                break
+            X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(X), y)  # this rank's mean; averaging the gradients
+            # over ranks then gives the step of the global batch's mean loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step, images = step + 1, images + len(X)
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+            bar.update(1)
+        if args.checkpoint is not None:
+            save_checkpoint(args.checkpoint, model, opt, step // len(loader), step)
+    bar.close()
+    seconds = time.perf_counter() - start
+    summary = torch.tensor([float(images), loss.item()], device=device)
+    dist.all_reduce(summary)
+    check_replicas_agree(model)
+    world = dist.get_world_size()
+    say(f"Done: {step} steps, {summary[0].item() / seconds:,.0f} images/s (all {world} processes), "
+        f"final loss {summary[1].item() / world:.4f} (mean over ranks); replicas identical")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse argv (default: sys.argv), join the group, train; the group is always destroyed."""
+    args = parse_args(argv)
+    device = init_distributed(args.timeout)
+    try:
+        train(args, device)
+    finally:
+        gc.collect()  # free the DDP wrapper (a reference cycle through its hooks) and with it
+        dist.destroy_process_group()  # gloo's last work, before the interpreter shuts down
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The checkers of chapter 07 say "correct" to right answers and reject known wrong ones; their
+references agree with real ring runs and with a gradient computed in float64."""
+import pytest
+import torch
+
+from dpcourse import _workers
+from dpcourse.exercises.ch07 import (check_bucket_sizes, check_ring_sent, check_shard_indices,
+                                     check_sum_loss_factor, ring_sent_reference)
+from dpcourse.launch import launch
+
+RING_NUMELS = [0, 1, 2, 3, 5, 10, 1001]
+
+
+def said(capsys) -> str:
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", [check_ring_sent, check_shard_indices, check_sum_loss_factor,
+                                   check_bucket_sizes])
+def test_no_answer_is_not_answered_yet(capsys, check):
+    check(None)
+    assert said(capsys) == "not answered yet\n"
+
+
+# --- exercise 1: elements each rank sends in the ring ---------------------------------------
+
+def ring_sent(n, world, rank):
+    """Exercise 1 written independently: the real chunks of tensor_split, one per step."""
+    chunks = [len(c) for c in torch.arange(n).tensor_split(world)]
+    return sum(chunks[(rank - step) % world] for step in range(2 * (world - 1)))
+
+
+def own_chunk_every_step(n, world, rank):
+    return 2 * (world - 1) * len(torch.arange(n).tensor_split(world)[rank])
+
+
+def test_ring_sent_reference_equals_what_real_ring_allreduces_send():
+    cases = [("ring_allreduce", n, torch.float32, False, {}) for n in RING_NUMELS]
+    runs = launch(_workers.p2p_against_all_reduce, cases, [1, 2, 3, 4], world_size=4,
+                  backend="gloo", timeout=120)
+    checked = 0
+    for rank, records in enumerate(runs):
+        for r in records:
+            n, world = r["case"][1], r["world"]
+            assert r["sent"] == ring_sent_reference(n, world, rank), (n, world, rank)
+            checked += 1
+    assert checked == len(RING_NUMELS) * (1 + 2 + 3 + 4)
+
+
+def test_ring_sent_accepts_the_chunk_count_and_rejects_the_average_law(capsys):
+    check_ring_sent(ring_sent)
+    assert said(capsys).startswith("correct")
+    check_ring_sent(lambda n, world, rank: 2 * (world - 1) * n // world)
+    out = said(capsys)
+    assert out.startswith("not quite: ring_sent(1, 3, 0)") and "only on average" in out
+    check_ring_sent(own_chunk_every_step)
+    assert "a different one each step" in said(capsys)
+    check_ring_sent(lambda n, world, rank: float(ring_sent(n, world, rank)))
+    assert "return an int" in said(capsys)
+
+
+# --- exercise 2: DistributedSampler's indices --------------------------------------------
+
+def shard_indices(n, world, rank, drop_last):
+    """Exercise 2 written independently: pad by wrapping around, or drop the tail; deal."""
+    indices = list(range(n))
+    if drop_last:
+        indices = indices[:n // world * world]
+    while len(indices) % world:
+        indices.append(indices[len(indices) - n])
+    return indices[rank::world]
+
+
+def pad_with_last(n, world, rank, drop_last):
+    per_rank = len(shard_indices(n, world, rank, drop_last))
+    return [min(i, n - 1) for i in range(rank, per_rank * world, world)]
+
+
+def blocks(n, world, rank, drop_last):
+    per_rank = len(shard_indices(n, world, rank, drop_last))
+    return [i % n for i in range(rank * per_rank, (rank + 1) * per_rank)]
+
+
+@pytest.mark.parametrize("wrong, reason", [
+    (lambda n, world, rank, drop_last: list(range(rank, n, world)), "wrapping around"),
+    (lambda n, world, rank, drop_last: shard_indices(n, world, rank, False), "tail is dropped"),
+    (pad_with_last, "repeats indices from the start"),
+    (blocks, "not in blocks"),
+])
+def test_shard_indices_rejects_no_padding_no_drop_wrong_padding_and_blocks(capsys, wrong, reason):
+    check_shard_indices(wrong)
+    out = said(capsys)
+    assert out.startswith("not quite") and reason in out, out
+
+
+def test_shard_indices_accepts_the_samplers_indices(capsys):
+    check_shard_indices(shard_indices)
+    assert said(capsys).startswith("correct")
+
+
+# --- exercise 3: reduction="sum" under DDP -----------------------------------------------
+
+def test_sum_loss_under_ddp_averaging_is_64_times_the_global_mean_gradient():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(256, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(256, generator=g, dtype=torch.float64)
+    w = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def grad(loss):
+        return torch.autograd.grad(loss, w)[0]
+
+    per_rank = [grad(((Xr @ w - yr) ** 2).sum()) for Xr, yr in zip(X.chunk(4), y.chunk(4))]
+    ddp = sum(per_rank) / 4  # DDP averages the ranks' gradients
+    global_mean = grad(((X @ w - y) ** 2).mean())
+    torch.testing.assert_close(ddp / global_mean, torch.full_like(global_mean, 64.0),
+                               rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("answer", [64, 64.0, 256 / 4])
+def test_sum_loss_factor_accepts_64(capsys, answer):
+    check_sum_loss_factor(answer)
+    assert said(capsys).startswith("correct")
+
+
+@pytest.mark.parametrize("answer, reason", [
+    (256, "dividing by the 4 ranks"), (4, "number of ranks"), (0.25, "does not shrink"),
+    (1, "reduction='mean'"), (1 / 64, "the other way round"), (63, "64 x its mean"),
+    ("64", "as a number"),
+])
+def test_sum_loss_factor_explains_common_wrong_answers(capsys, answer, reason):
+    check_sum_loss_factor(answer)
+    out = said(capsys)
+    assert out.startswith("not quite") and reason in out, out
+
+
+# --- exercise 4: bucket sizes ----------------------------------------------------------
+
+def bucket_sizes(numels, cap_mb, bytes_per_element=4, reverse=True, fits=lambda a, b: a <= b,
+                 no_cap_at_0=False):
+    """Exercise 4 written independently; the keywords make the typical mistakes."""
+    cap = float("inf") if no_cap_at_0 and cap_mb == 0 else cap_mb * 2**20
+    sizes, filled = [], 0
+    for n in (reversed(numels) if reverse else numels):
+        if not sizes or not fits(filled + n * bytes_per_element, cap):
+            sizes.append(0)
+            filled = 0
+        sizes[-1] += n
+        filled += n * bytes_per_element
+    return sizes
+
+
+def test_bucket_sizes_accepts_make_buckets_sizes(capsys):
+    check_bucket_sizes(bucket_sizes)
+    assert said(capsys).startswith("correct")
+
+
+@pytest.mark.parametrize("wrong, reason", [
+    (lambda numels, cap, b=4: bucket_sizes(numels, cap, b, reverse=False), "reverse registration"),
+    (lambda numels, cap, b=4: bucket_sizes(numels, cap, b, no_cap_at_0=True), "cap 0 means"),
+    (lambda numels, cap, b=4: bucket_sizes(numels, cap, b, fits=lambda a, c: a < c),
+     "fill up to exactly the cap"),
+    (lambda numels, cap, b=4: bucket_sizes(numels, cap), "float64: 8 bytes"),
+    (lambda numels, cap, b=4: bucket_sizes(numels, cap, b)[:-1], "exactly one bucket"),
+])
+def test_bucket_sizes_explains_order_cap_0_exact_fit_dtype_and_lost_parameters(capsys, wrong,
+                                                                               reason):
+    check_bucket_sizes(wrong)
+    out = said(capsys)
+    assert out.startswith("not quite") and reason in out, out
