@@ -160,7 +160,7 @@ def ddp_runs(configs: list[dict]) -> list[dict]:
     for cfg in configs:
         net = tied_net(seed=rank)
         if cfg["ddp"] == "scratch":
-            model = ScratchDDP(net, cfg["cap"], ring=cfg["ring"])
+            model = ScratchDDP(net, cfg["cap"], ring=cfg["ring"], shm=cfg.get("shm", False))
         else:
             model = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
         state = train_steps(model, rank, world, cfg["micro"])
@@ -171,6 +171,8 @@ def ddp_runs(configs: list[dict]) -> list[dict]:
                     "timeline": model.timeline() if hasattr(model, "timeline") else []})
     return out
 
+
+# --- SharedMemoryAllreduce against dist.all_reduce -----------------------------------------
 
 def evaluate_on_rank_0_only() -> float:
     """Rank 0 alone evaluates a ScratchDDP model with a buffer (batch norm) under no_grad,
@@ -183,3 +185,90 @@ def evaluate_on_rank_0_only() -> float:
             model(torch.randn(8, 4))
     model(torch.randn(8, 4)).sum().backward()
     return model.module[0].weight.grad.sum().item()
+
+
+def shm_input(rank: int, numel: int, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    """Rank's own input for the shared-memory tests (the test process can rebuild it)."""
+    g = torch.Generator().manual_seed(1000 * rank + numel)
+    if dtype == torch.int64:
+        x = torch.randint(-1000, 1000, (numel,), generator=g)
+    else:
+        x = torch.randn(numel, generator=g, dtype=dtype)
+    return x.view(-1, 10).t() if transposed else x  # transposed: numel = rows * 10
+
+
+def own_segments() -> list[str]:
+    """The shared-memory files this process has in /dev/shm."""
+    from .shm import PREFIX, SHM_DIR
+    return sorted(p.name for p in SHM_DIR.glob(f"{PREFIX}{os.getpid()}-*"))
+
+
+def shm_against_all_reduce(cases: list[tuple], max_bytes: int) -> dict:
+    """Each case (numel, dtype, transposed) summed by one SharedMemoryAllreduce, in turn, with
+    every collective forbidden, next to dist.all_reduce's sum; then the errors it raises."""
+    from .shm import SharedMemoryAllreduce
+    rank = dist.get_rank()
+    records = []
+    with SharedMemoryAllreduce(max_bytes) as shm:
+        files_while_open = own_segments()
+        for numel, dtype, transposed in cases:
+            x = shm_input(rank, numel, dtype, transposed)
+            expected = x.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(expected)
+            with no_collectives():
+                returned = shm.allreduce(x)
+            records.append({"case": (numel, dtype, transposed), "result": x,
+                            "expected": expected, "returned_input": returned is x,
+                            "contiguous": x.is_contiguous()})
+        errors = shm_errors(shm) if dist.get_world_size() > 1 else {}
+    return {"records": records, "errors": errors, "files_while_open": files_while_open,
+            "mapped_after_close": mapped_segments()}
+
+
+def mapped_segments() -> int:
+    """How many shared-memory segments this process still has mapped."""
+    from .shm import PREFIX
+    with open("/proc/self/maps") as maps:
+        return sum(PREFIX in line for line in maps)
+
+
+def _error_of(fn, *args) -> str | None:
+    """'TypeName: message' of what fn(*args) raised, or None."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test looks at what was raised
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def shm_errors(shm) -> dict:
+    """What shm raises for wrong calls, and whether it still works afterwards."""
+    from .shm import SharedMemoryAllreduce
+    rank = dist.get_rank()
+    errors = {
+        "numel": _error_of(shm.allreduce, torch.ones(5 + (rank == 1))),
+        "dtype": _error_of(shm.allreduce, torch.ones(5, dtype=torch.float64 if rank == 1
+                                                     else torch.float32)),
+        "int32": _error_of(shm.allreduce, torch.ones(5, dtype=torch.int32)),
+        "meta": _error_of(shm.allreduce, torch.ones(5, device="meta")),
+        "max_bytes": _error_of(SharedMemoryAllreduce, 1 << (12 + (rank == 1))),
+    }
+    errors["works_after"] = shm.allreduce(torch.ones(7)).tolist()
+    with SharedMemoryAllreduce(1 << 12, timeout=0.5) as late:
+        if rank != 1:  # rank 1 skips this call; the others wait for it, then give up
+            errors["timeout"] = _error_of(late.allreduce, torch.ones(3))
+            errors["after_timeout"] = _error_of(late.allreduce, torch.ones(3))
+        dist.barrier()
+    return errors
+
+
+def shm_crash(bad_rank: int) -> None:
+    """Every rank sums once; then bad_rank is killed while the others wait in the next sum."""
+    import signal
+
+    from .shm import SharedMemoryAllreduce
+    shm = SharedMemoryAllreduce(1 << 16)
+    shm.allreduce(torch.ones(1000))
+    if dist.get_rank() == bad_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    shm.allreduce(torch.ones(1000))

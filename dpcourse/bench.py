@@ -1,20 +1,26 @@
-"""Benchmark: `python -m dpcourse.bench`. Every ratio compares timings taken side by side."""
+"""Benchmark: `python -m dpcourse.bench [--quick] [--json PATH]`. Every ratio compares timings
+taken side by side, in one run; --quick uses small sizes and few repeats (for CI) and --json
+writes every measured figure to PATH."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from . import performance
 from .collectives import allreduce, get_params
+from .cost_model import AlphaBeta, best_bucket_size, fit_alpha_beta, relative_errors
 from .hardware import devices, synchronize
 from .lenet import init_lenet_params, lenet, loss
 from .ring import ring_allreduce
-from .throughput import (bus_bandwidth, compare_allreduce, compare_ddp,
-                         compare_processes_and_threads)
+from .throughput import bus_bandwidth, compare_ddp, compare_processes_and_threads
 from .training import sgd, train_batch
 
 
@@ -53,7 +59,9 @@ def forward_backward_seconds(threads: list[int], batch_size: int = 128,
     return {int(n): t for n, t in medians.items()}
 
 
-def bench_train_batch(batch_size: int, repeats: int) -> None:
+def bench_train_batch(batch_size: int, repeats: int, figures: dict | None = None) -> None:
+    """Print one SGD step of LeNet against train_batch on k simulated devices (seconds into
+    figures, when given)."""
     X, y = torch.rand(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
     params = init_lenet_params(0, scale=0.1)
     plain = get_params(params, torch.device("cpu"))
@@ -69,6 +77,8 @@ def bench_train_batch(batch_size: int, repeats: int) -> None:
         cases[f"train_batch, k={k}"] = (lambda dp=dp, devs=devs:
                                         train_batch(X, y, dp, devs, 0.2))
     result = interleaved(cases, repeats, [])
+    if figures is not None:
+        figures.update(result)
     base = result["plain step, 1 device"]
     print(f"\nOne SGD step of LeNet on a batch of {batch_size}, simulated CPU devices "
           f"(median of {repeats}):")
@@ -76,7 +86,8 @@ def bench_train_batch(batch_size: int, repeats: int) -> None:
         print(f"  {name:22s} {t * 1e3:8.1f} ms   x{t / base:.2f} of the plain step")
 
 
-def bench_allreduce(repeats: int) -> None:
+def bench_allreduce(repeats: int, figures: dict | None = None) -> None:
+    """Print naive against ring allreduce on simulated devices (ms into figures, when given)."""
     lenet_grads = init_lenet_params(0)
     n_lenet = sum(p.numel() for p in lenet_grads)
     print(f"\nallreduce vs ring_allreduce in place on simulated CPU devices (median of {repeats});"
@@ -94,8 +105,40 @@ def bench_allreduce(repeats: int) -> None:
             n = sum(t.numel() for t in per_device[0])
             busiest = [max(map(sum, zip(*[c(list(ts)) for ts in zip(*per_device)]))) / n
                        for c in (allreduce, ring_allreduce)]
+            if figures is not None:
+                figures[f"{label}, k={k}"] = {"naive_ms": naive, "ring_ms": ring}
             print(f"  {label:32s} {k:2d} {naive:9.2f} {ring:9.2f} {ring / naive:10.2f}"
                   f" {busiest[0]:13.2f}N {busiest[1]:12.2f}N")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much the benchmark measures: the full run, or QUICK (--quick, for CI)."""
+    repeats: int = 20  # simulated sections and the allreduce sweep
+    batch_size: int = 256  # the simulated train_batch section
+    sweep_numels: tuple[int, ...] = tuple(performance.SWEEP_NUMELS)  # 4 KiB to 64 MiB
+    ddp_steps: int = 30
+    anatomy_steps: int = 10
+    anatomy_models: tuple[str, ...] = ("lenet", "resnet18")
+    bucket_caps_mb: tuple[float, ...] = tuple(4.0**k / 1024 for k in range(9))  # 1 KiB-64 MiB
+    bucket_steps: int = 3
+    bucket_repeats: int = 3
+    scaling_steps: int = 20
+    scaling_repeats: int = 3
+
+
+QUICK = Sizes(repeats=3, batch_size=64,
+              sweep_numels=(1024, 16384, 262144, 4 * 2**20, 16 * 2**20), ddp_steps=5,
+              anatomy_steps=5, anatomy_models=("lenet",),
+              bucket_caps_mb=(1 / 1024, 1 / 64, 1 / 4, 1.0, 4.0, 16.0, 64.0), bucket_steps=1,
+              bucket_repeats=2, scaling_steps=5, scaling_repeats=2)
+WORLDS = (2, 4)  # the allreduce sweep's process counts
+ANATOMY_BATCH = {"lenet": 64, "resnet18": 16}
+BUCKET_BATCH = 16
+SCALING_BATCH = 128
+FIT_FROM, FIT_TO = 64 * 2**10, 64 * 2**20  # bytes: the range the issue's 30% goal covers
+NEAR_BEST = 1.05  # bucket caps whose step is within 5% of the best are printed as ties
+ALLREDUCES_OF_CHAPTER_07 = ("dist.all_reduce", "p2p.allreduce", "p2p.ring_allreduce")
 
 
 def verdict(ratio: float, target: float) -> str:
@@ -104,49 +147,240 @@ def verdict(ratio: float, target: float) -> str:
     return f"x{ratio:.2f} (target >= {target}x: {met})"
 
 
-def bench_processes(repeats: int) -> None:
-    """Chapter 07 on real processes (gloo over loopback), each comparison in one run."""
+def bench_processes(repeats: int, sweeps: dict[int, dict], steps: int, figures: dict) -> None:
+    """Chapter 07 on real processes (gloo over loopback), each comparison in one run; the
+    allreduce figures are the chapter-08 sweep's largest size (same timing, same run)."""
     rounds = max(3, repeats // 4)  # a training round takes seconds
-    numel = 16 * 2**20
+    numel = max(next(iter(sweeps.values()))["dist.all_reduce"])  # 64 MiB unless told less
     print(f"\nChapter 07, separate processes (load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores: other work slows them unevenly)."
-          f"\nAllreduce of 64 MiB of float32 (median of {repeats}), "
+          f"\nAllreduce of {size_label(4 * numel)} of float32 (median of {repeats}), "
           "bus bandwidth 2(w-1)/w * bytes / s:")
-    for world in (2, 4):
-        seconds = compare_allreduce([numel], world_size=world, repeats=repeats, timeout=300)
+    for world, seconds in sweeps.items():
         busbw = {name: bus_bandwidth(4 * numel, t[numel], world) / 1e9
-                 for name, t in seconds.items()}
+                 for name, t in seconds.items() if name in ALLREDUCES_OF_CHAPTER_07}
         ring, gloo = busbw["p2p.ring_allreduce"], busbw["dist.all_reduce"]
         print(f"  {world} processes: gloo {gloo:.2f} GB/s, p2p.ring_allreduce {ring:.2f} GB/s, "
               f"p2p.allreduce {busbw['p2p.allreduce']:.2f} GB/s; "
               f"ring/gloo {verdict(ring / gloo, 0.9)}")
-    steps = 30
     ddp = compare_ddp(steps=steps, repeats=rounds, timeout=300)
     print(f"LeNet training, 2 processes x 128 images, {steps} steps (median of {rounds} "
           "rounds): " + ", ".join(f"{name} {rate:.0f} images/s" for name, rate in ddp.items()))
     print(f"  ScratchDDP/torch DDP {verdict(ddp['ScratchDDP'] / ddp['torch DDP'], 0.95)}; "
           f"with our ring x{ddp['ScratchDDP, ring'] / ddp['torch DDP']:.2f}")
+    print("  ScratchDDP with shared memory / with gloo (chapter 08) "
+          f"{verdict(ddp['ScratchDDP, shm'] / ddp['ScratchDDP'], 1.1)}")
     pt = compare_processes_and_threads(steps=steps, repeats=rounds, timeout=300)
     threads, processes = pt["1 process x 2 threads"], pt["2 processes x 1 thread"]
     print(f"LeNet training, 256 images per step, {steps} steps (median of {rounds} rounds): "
           f"1 process x 2 threads {threads:.0f} images/s, 2 processes x 1 thread (torch DDP) "
           f"{processes:.0f} images/s")
     print(f"  2 processes / 1 process {verdict(processes / threads, 1.3)}")
+    figures.update({"ddp_images_per_s": ddp, "processes_and_threads_images_per_s": pt})
 
 
-def main() -> None:
+# --- chapter 08 --------------------------------------------------------------------------------
+
+def size_label(nbytes: float) -> str:
+    """4096 -> '4 KiB', 1.5 * 2**20 -> '1.5 MiB' (3 significant digits)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.3g} B"
+
+
+def print_sweep(seconds: dict[str, dict[int, float]], world: int, repeats: int) -> None:
+    """The sweep as a table: per implementation, ms per call and bus bandwidth in GB/s."""
+    busbw = performance.sweep_busbw(seconds, world)
+    print(f"\nAllreduce of float32, {world} processes (median of {repeats}): ms per call, bus "
+          f"bandwidth GB/s; {performance.MEMCPY}: Tensor.copy_ of as many bytes on every "
+          "process at once, its GB/s the bound of an allreduce made of copies:")
+    print(f"  {'size':>7s}" + "".join(f"{name:>20s}" for name in seconds))
+    for n in next(iter(seconds.values())):
+        print(f"  {size_label(4 * n):>7s}" + "".join(
+            f"{seconds[name][n] * 1e3:12.3f}{busbw[name][n] / 1e9:8.2f}" for name in seconds))
+
+
+def shm_goals(seconds: dict[str, dict[int, float]], world: int) -> dict[str, float]:
+    """Print shm's bus bandwidth against gloo's (goal 3x) and the memcpy bound (goal 0.3x)
+    at 16 and 64 MiB, where the sweep has them; return the ratios."""
+    busbw = performance.sweep_busbw(seconds, world)
+    ratios = {}
+    for n in (4 * 2**20, 16 * 2**20):
+        if "shm" not in busbw or n not in busbw["shm"]:
+            continue
+        shm, gloo, bound = (busbw[k][n] for k in ("shm", "dist.all_reduce", performance.MEMCPY))
+        ratios[f"shm/gloo {size_label(4 * n)}"] = shm / gloo
+        ratios[f"shm/memcpy {size_label(4 * n)}"] = shm / bound
+        print(f"  shm at {size_label(4 * n)}: shm/gloo {verdict(shm / gloo, 3)}, "
+              f"shm/memcpy bound {verdict(shm / bound, 0.3)}")
+    return ratios
+
+
+def fit_allreduces(seconds: dict[str, dict[int, float]]) -> dict[str, dict[str, float]]:
+    """alpha, beta fitted to each allreduce's times from FIT_FROM to FIT_TO bytes, and the
+    worst relative error of the fit over that range."""
+    fits = {}
+    for name, by_numel in seconds.items():
+        points = [(4 * n, t) for n, t in by_numel.items() if FIT_FROM <= 4 * n <= FIT_TO]
+        if name == performance.MEMCPY or len({b for b, _ in points}) < 2:
+            continue
+        nbytes, ts = zip(*points)
+        cost = fit_alpha_beta(nbytes, ts)
+        worst = max(abs(e) for e in relative_errors(cost, nbytes, ts))
+        fits[name] = {"alpha": cost.alpha, "beta": cost.beta, "worst_relative_error": worst}
+    return fits
+
+
+def print_fits(fits: dict[str, dict[str, float]], world: int) -> None:
+    """One line per fit, with the issue's 30% goal for gloo and the ring."""
+    print(f"  alpha-beta fits, {world} processes, {size_label(FIT_FROM)} to {size_label(FIT_TO)} "
+          "(least squares on relative errors):")
+    for name, f in fits.items():
+        worst = f["worst_relative_error"]
+        goal = ("" if name not in ("dist.all_reduce", "p2p.ring_allreduce") else
+                f" (target <= 30%: {'meets' if worst <= 0.3 else 'below'} target)")
+        print(f"    {name:20s} alpha {f['alpha'] * 1e6:8.1f} us, 1/beta {1 / f['beta'] / 1e9:6.2f}"
+              f" GB/s, worst error {worst:5.0%}{goal}")
+
+
+def bench_anatomy(sizes: Sizes, figures: dict) -> None:
+    """The ScratchDDP step of each model split into compute and communication."""
+    print("\nScratchDDP step, 2 processes, 25 MiB buckets (medians of the slowest rank; "
+          "exposed = backward with sync - backward inside no_sync; overlap = hidden / comm):")
+    for model in sizes.anatomy_models:
+        a = performance.step_anatomy(sizes.anatomy_steps, ANATOMY_BATCH[model], 25.0,
+                                     model=model, timeout=300)
+        figures[model] = a
+        ms = {k: a[k] * 1e3 for k in ("forward_s", "backward_no_sync_s", "backward_sync_s",
+                                       "optimizer_s", "comm_s", "exposed_comm_s")}
+        print(f"  {model} ({size_label(a['gradient_bytes'])} of gradients, {a['buckets']} "
+              f"bucket(s), 2 x {ANATOMY_BATCH[model]} images): forward {ms['forward_s']:.1f} "
+              f"ms, backward alone {ms['backward_no_sync_s']:.1f} ms, with sync "
+              f"{ms['backward_sync_s']:.1f} ms, optimizer {ms['optimizer_s']:.1f} ms; comm "
+              f"{ms['comm_s']:.1f} ms, exposed {ms['exposed_comm_s']:.1f} ms, overlap "
+              f"{a['overlap']:.0%}")
+
+
+def bench_buckets(sizes: Sizes, gloo: AlphaBeta, figures: dict) -> None:
+    """The bucket-size sweep against cost_model's best bucket size (goal: within 4x)."""
+    r = performance.bucket_sweep(sizes.bucket_caps_mb, sizes.bucket_steps, BUCKET_BATCH,
+                                 repeats=sizes.bucket_repeats, timeout=300)
+    steps = r["step_seconds"]
+    measured = min(steps, key=steps.get) * 2**20
+    near = [cap for cap, t in steps.items() if t <= NEAR_BEST * min(steps.values())]
+    predicted = best_bucket_size(r["gradient_bytes"], r["backward_seconds"], gloo,
+                                 [cap * 2**20 for cap in steps])
+    off = max(measured / predicted, predicted / measured)
+    print(f"\nBucket sweep: ResNet-18 on 8x8 images ({size_label(r['gradient_bytes'])} of "
+          f"gradients), ScratchDDP on gloo, 2 x {BUCKET_BATCH} images (median of "
+          f"{sizes.bucket_repeats} rounds of {sizes.bucket_steps} steps):")
+    print("  cap      " + "".join(f"{size_label(cap * 2**20):>9s}" for cap in steps))
+    print("  buckets  " + "".join(f"{r['buckets'][cap]:9d}" for cap in steps))
+    print("  step ms  " + "".join(f"{t * 1e3:9.1f}" for t in steps.values()))
+    print(f"  measured best {size_label(measured)} (within {NEAR_BEST - 1:.0%} of it: "
+          f"{', '.join(size_label(cap * 2**20) for cap in near)}); cost model's best "
+          f"{size_label(predicted)} "
+          f"(gloo's fit, backward alone {r['backward_seconds'] * 1e3:.0f} ms): x{off:.1f} apart "
+          f"(target within 4x: {'meets' if off <= 4 else 'below'} target)")
+    figures.update(r, measured_best_bytes=measured, predicted_best_bytes=predicted,
+                   near_best_caps_mb=near)
+
+
+def bench_scaling(sizes: Sizes, figures: dict) -> None:
+    """Strong and weak scaling of LeNet with torch's DDP over 1, 2 and 4 processes."""
+    s = performance.scaling((1, 2, 4), ("strong", "weak"), sizes.scaling_steps, SCALING_BATCH,
+                            repeats=sizes.scaling_repeats, timeout=300)
+    figures.update(s)
+    print(f"\nScaling, LeNet with torch DDP, one thread per process (4 processes on "
+          f"{os.cpu_count()} cores oversubscribe): strong = {SCALING_BATCH} images per step "
+          f"in all, weak = {SCALING_BATCH} per process; images/s (efficiency):")
+    for w in next(iter(s.values()))["images_per_s"]:
+        print(f"  {w} process{'es' if w > 1 else '  '}: " + ", ".join(
+            f"{mode} {s[mode]['images_per_s'][w]:6.0f} ({s[mode]['efficiency'][w]:.2f})"
+            for mode in s))
+
+
+class Laps(dict):
+    """Seconds each section of the benchmark took, by name, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mark = time.perf_counter()
+
+    def lap(self, section: str) -> None:
+        """Note the seconds since the previous lap as section's."""
+        now = time.perf_counter()
+        self[section], self._mark = now - self._mark, now
+
+
+def bench_chapter_08(sizes: Sizes, sweeps: dict[int, dict], figures: dict, laps: Laps) -> None:
+    """Chapter 08: allreduce sweep and fits, the DDP step's anatomy, buckets, scaling."""
+    print(f"\nChapter 08, performance measured and modelled (load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores).")
+    fits = {}
+    for world, seconds in sweeps.items():
+        print_sweep(seconds, world, sizes.repeats)
+        if world == 2:  # the issue's goals for the shared-memory allreduce
+            figures["shm_goals"] = shm_goals(seconds, world)
+        fits[world] = fit_allreduces(seconds)
+        print_fits(fits[world], world)
+    figures["alpha_beta"] = fits
+    bench_anatomy(sizes, figures.setdefault("anatomy", {}))
+    laps.lap("anatomy")
+    gloo = AlphaBeta(fits[2]["dist.all_reduce"]["alpha"], fits[2]["dist.all_reduce"]["beta"])
+    bench_buckets(sizes, gloo, figures.setdefault("buckets", {}))
+    laps.lap("bucket sweep")
+    bench_scaling(sizes, figures.setdefault("scaling", {}))
+    laps.lap("scaling")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=256)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes and few repeats (for CI)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="repeats of each timing (default 20, or 3 with --quick)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="batch of the simulated train_batch section (256, or 64 with --quick)")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write every measured figure to PATH as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; return (and with --json write) every measured figure."""
+    laps = Laps()
+    args = parse_args(argv)
+    sizes = QUICK if args.quick else Sizes()
+    for option in ("repeats", "batch_size"):
+        if getattr(args, option) is not None:
+            sizes = replace(sizes, **{option: getattr(args, option)})
+    figures: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                     "cores": os.cpu_count(), "quick": args.quick, "sizes": asdict(sizes),
+                     "elapsed_s": laps}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     threads = sorted({1, torch.get_num_threads()})
-    times = forward_backward_seconds(threads, repeats=args.repeats)
+    times = forward_backward_seconds(threads, repeats=sizes.repeats)
+    figures["forward_backward_s"] = times
     print("\nLeNet forward and backward on 128 images (median): "
           + ", ".join(f"{n} thread(s) {t * 1e3:.1f} ms" for n, t in times.items()))
-    bench_train_batch(args.batch_size, args.repeats)
-    bench_allreduce(args.repeats)
-    bench_processes(args.repeats)
+    bench_train_batch(sizes.batch_size, sizes.repeats, figures.setdefault("train_batch_s", {}))
+    bench_allreduce(sizes.repeats, figures.setdefault("simulated_allreduce", {}))
+    laps.lap("simulated devices")
+    sweeps = {w: performance.allreduce_sweep(sizes.sweep_numels, w, sizes.repeats, timeout=300)
+              for w in WORLDS}
+    figures["allreduce_s"] = sweeps
+    laps.lap("allreduce sweeps")
+    bench_processes(sizes.repeats, sweeps, sizes.ddp_steps, figures.setdefault("chapter_07", {}))
+    laps.lap("chapter 07 training")
+    bench_chapter_08(sizes, sweeps, figures.setdefault("chapter_08", {}), laps)
+    print(f"\nThe benchmark took {sum(laps.values()):.0f} s: "
+          + ", ".join(f"{name} {t:.0f} s" for name, t in laps.items()))
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1))
+        print(f"Every figure written to {args.json}")
+    return figures
 
 
 if __name__ == "__main__":

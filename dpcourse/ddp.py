@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import p2p
+from .shm import SharedMemoryAllreduce
 
 
 @torch.no_grad()
@@ -67,35 +68,39 @@ class Bucket:
     params: list[nn.Parameter]
     ready: int = 0
     flat: torch.Tensor | None = None
-    work: Any = None  # a torch.distributed Work, or a Future of the ring
+    work: Any = None  # a torch.distributed Work, or a Future of the helper thread
     times: dict[str, float] = field(default_factory=dict)
 
 
 class ScratchDDP(nn.Module):
     """Average gradients across the ranks of the default group, bucket by bucket.
 
-    bucket_cap_mb: bucket size cap in MiB (0: one bucket per parameter). ring: reduce the
-    buckets with our p2p.ring_allreduce (in a helper thread) instead of dist.all_reduce.
+    bucket_cap_mb: bucket size cap in MiB (0: one bucket per parameter). ring, or shm: reduce
+    the buckets with our p2p.ring_allreduce, or chapter 08's shared-memory allreduce (CPU,
+    one host), in a helper thread, instead of dist.all_reduce.
     broadcast_buffers: re-broadcast rank 0's buffers before each forward that will synchronise,
     as torch does. Buckets launch in index order, so a parameter unused on one rank holds back
     the buckets after its own until backward ends (correct, but no overlap for them).
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *, ring: bool = False,
-                 broadcast_buffers: bool = True) -> None:
+                 shm: bool = False, broadcast_buffers: bool = True) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ScratchDDP needs the default process group: build it in a "
                                "function run by dpcourse.launch.launch")
         self.module = module
-        self.ring = ring
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self.world = dist.get_world_size()
         params = [p for p in module.parameters() if p.requires_grad]  # tied ones once
         self.buckets = [Bucket(ps) for ps in make_buckets(params, bucket_cap_mb)]
         self._where = {p: i for i, b in enumerate(self.buckets) for p in b.params}
-        self._executor = ThreadPoolExecutor(1, "scratch-ddp-ring") if ring else None
+        if ring and shm:
+            raise ValueError("ScratchDDP: choose ring=True or shm=True, not both")
+        self._allreduce = (p2p.ring_allreduce if ring
+                           else SharedMemoryAllreduce().allreduce if shm else None)
+        self._executor = ThreadPoolExecutor(1, "scratch-ddp") if self._allreduce else None
         self._syncing = False  # whether the current forward's backward synchronises
         self._next = 0  # the next bucket to launch: buckets go in index order on every rank
         self._callback_queued = False
@@ -163,7 +168,7 @@ class ScratchDDP(nn.Module):
         bucket.times["launched"] = time.perf_counter()
         self.allreduces += 1
         if self._executor is not None:
-            bucket.work = self._executor.submit(_timed, p2p.ring_allreduce, flat, bucket.times)
+            bucket.work = self._executor.submit(_timed, self._allreduce, flat, bucket.times)
         else:
             bucket.work = dist.all_reduce(flat, async_op=True)
             bucket.work.get_future().add_done_callback(

@@ -28,7 +28,7 @@ ALLREDUCES: dict[str, Callable[[torch.Tensor], object]] = {
     "p2p.allreduce": p2p.allreduce,
     "p2p.ring_allreduce": p2p.ring_allreduce,
 }
-DDP_VARIANTS = ("ScratchDDP", "ScratchDDP, ring", "torch DDP")
+DDP_VARIANTS = ("ScratchDDP", "ScratchDDP, ring", "ScratchDDP, shm", "torch DDP")
 WARMUP_STEPS = 3
 LR = 0.05
 
@@ -109,7 +109,7 @@ def ddp_model(variant: str) -> nn.Module:
     net = LeNet(init_lenet_params(0, scale=0.1))
     if variant == "torch DDP":
         return nn.parallel.DistributedDataParallel(net)
-    return ScratchDDP(net, ring=variant == "ScratchDDP, ring")
+    return ScratchDDP(net, ring=variant == "ScratchDDP, ring", shm=variant == "ScratchDDP, shm")
 
 
 def timed_steps(step: Callable[[], None], steps: int) -> float:
@@ -140,7 +140,8 @@ def ddp_images_per_second_on_rank(steps: int, batch_size: int,
 def compare_ddp(steps: int = 20, batch_size: int = 128, world_size: int = 2, repeats: int = 3,
                 timeout: float = 120.0) -> dict[str, float]:
     """LeNet training images/s (global: world_size * batch_size per step) with "ScratchDDP",
-    "ScratchDDP, ring" and "torch DDP", measured in one launch of world_size processes."""
+    "ScratchDDP, ring", "ScratchDDP, shm" (chapter 08's shared-memory allreduce) and
+    "torch DDP", measured in one launch of world_size processes."""
     return launch(ddp_images_per_second_on_rank, steps, batch_size, repeats,
                   world_size=world_size, backend="gloo", timeout=timeout)[0]
 

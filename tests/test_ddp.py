@@ -19,6 +19,8 @@ CONFIGS = (
      for ring in (False, True) for cap in (ONE_BUCKET, TWO_BUCKETS, PER_PARAMETER)]
     + [{"ddp": "scratch", "cap": PER_PARAMETER, "ring": ring, "micro": 2}
        for ring in (False, True)]
+    + [{"ddp": "scratch", "cap": cap, "ring": False, "shm": True, "micro": micro}
+       for cap, micro in ((TWO_BUCKETS, 1), (PER_PARAMETER, 2))]
     + [{"ddp": "torch", "micro": 1}, {"ddp": "torch", "micro": 2}])
 
 

@@ -44,7 +44,7 @@ def test_compare_allreduce_times_each_algorithm_at_each_size(allreduce_seconds):
 
 def test_compare_ddp_gives_images_per_second_of_each_variant():
     rates = throughput.compare_ddp(steps=2, batch_size=8, repeats=1, timeout=60)
-    assert_rates(rates, ["ScratchDDP", "ScratchDDP, ring", "torch DDP"])
+    assert_rates(rates, ["ScratchDDP", "ScratchDDP, ring", "ScratchDDP, shm", "torch DDP"])
 
 
 def test_compare_processes_and_threads_gives_both_images_per_second():

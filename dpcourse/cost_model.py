@@ -1,0 +1,194 @@
+"""Chapter 08: the alpha-beta cost model - fitted to measurements, used to predict.
+
+A message of n bytes takes ``alpha + n * beta`` seconds: alpha is the fixed cost of one
+message (latency, a system call, a barrier), beta the cost of one byte (1 / bandwidth). An
+allreduce is a sequence of messages, so its time is again ``alpha' + n * beta'``; from that
+the bucket-size model predicts how much of DDP's communication backward cannot hide.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """Seconds for n bytes: alpha (seconds per message) + n * beta (seconds per byte)."""
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float) -> float:
+        """Predicted seconds for a message (or a whole collective) of nbytes."""
+        check_bytes(nbytes, "nbytes")
+        return self.alpha + nbytes * self.beta
+
+    @property
+    def bandwidth(self) -> float:
+        """1 / beta: bytes per second once the fixed cost is paid."""
+        return 1 / self.beta
+
+
+def check_bytes(nbytes: float, what: str) -> None:
+    """Raise a clear error unless nbytes is a finite size >= 0."""
+    if not (math.isfinite(nbytes) and nbytes >= 0):
+        raise ValueError(f"{what} must be a finite number of bytes >= 0, got {nbytes}")
+
+
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
+    """alpha and beta minimising the squared *relative* errors sum(((alpha + n beta) - t) / t)^2.
+
+    Relative, not plain, least squares: plain residuals in seconds would let the largest
+    messages decide alone, while we want every size from KiB to MiB predicted within a few %.
+    It is least squares with each residual divided by t, solved in closed form; with noisy data
+    alpha may come out negative (then small messages are not predicted: look at the fit).
+    """
+    if len(nbytes) != len(seconds):
+        raise ValueError(f"got {len(nbytes)} sizes but {len(seconds)} timings")
+    if len(nbytes) < 2:
+        raise ValueError(f"fitting alpha and beta needs at least 2 points, got {len(nbytes)}")
+    for n in nbytes:
+        check_bytes(n, "every message size")
+    if not all(math.isfinite(t) and t > 0 for t in seconds):
+        raise ValueError(f"every timing must be a finite number of seconds > 0, got {seconds}")
+    if len(set(nbytes)) < 2:
+        raise ValueError("fitting alpha and beta needs at least 2 different message sizes")
+    weights = [1 / t**2 for t in seconds]
+    total = sum(weights)
+    n_mean = sum(w * n for w, n in zip(weights, nbytes)) / total
+    t_mean = sum(w * t for w, t in zip(weights, seconds)) / total
+    covariance = sum(w * (n - n_mean) * (t - t_mean) for w, n, t in zip(weights, nbytes, seconds))
+    variance = sum(w * (n - n_mean) ** 2 for w, n in zip(weights, nbytes))
+    beta = covariance / variance
+    return AlphaBeta(alpha=t_mean - beta * n_mean, beta=beta)
+
+
+def relative_errors(cost: AlphaBeta, nbytes: Sequence[float],
+                    seconds: Sequence[float]) -> list[float]:
+    """(predicted - measured) / measured for each measurement: 0.3 means 30% too slow."""
+    return [(cost.time(n) - t) / t for n, t in zip(nbytes, seconds)]
+
+
+# --- allreduce of n bytes over p ranks, each message costing link = (alpha, beta) --------------
+
+def check_ranks(p: int) -> None:
+    """Raise a clear error unless p is a number of ranks >= 1."""
+    if not (isinstance(p, int) and p >= 1):
+        raise ValueError(f"the number of ranks p must be an integer >= 1, got {p!r}")
+
+
+def naive_allreduce_cost(link: AlphaBeta, p: int) -> AlphaBeta:
+    """Reduce to rank 0, then send back: 2(p-1) * (alpha + n beta).
+
+    Rank 0 receives the p-1 whole tensors one after another, then sends the sum p-1 times,
+    one after another (its link carries one message at a time); the additions are free.
+    """
+    check_ranks(p)
+    return AlphaBeta(2 * (p - 1) * link.alpha, 2 * (p - 1) * link.beta)
+
+
+def ring_allreduce_cost(link: AlphaBeta, p: int) -> AlphaBeta:
+    """Reduce-scatter then all-gather round a ring: 2(p-1) * (alpha + n/p beta).
+
+    2(p-1) steps, in each of which every rank sends n/p bytes to its neighbour, all at once.
+    """
+    check_ranks(p)
+    return AlphaBeta(2 * (p - 1) * link.alpha, 2 * (p - 1) / p * link.beta)
+
+
+def tree_allreduce_cost(link: AlphaBeta, p: int) -> AlphaBeta:
+    """Binomial-tree reduce then broadcast: 2 ceil(log2 p) * (alpha + n beta).
+
+    Each of the ceil(log2 p) rounds of the reduce, then of the broadcast, sends whole tensors,
+    the pairs of a round all at once.
+    """
+    check_ranks(p)
+    rounds = (p - 1).bit_length()  # ceil(log2 p), exact for integers
+    return AlphaBeta(2 * rounds * link.alpha, 2 * rounds * link.beta)
+
+
+ALLREDUCE_COSTS: dict[str, Callable[[AlphaBeta, int], AlphaBeta]] = {
+    "naive": naive_allreduce_cost, "ring": ring_allreduce_cost, "tree": tree_allreduce_cost}
+
+
+def allreduce_cost(link: AlphaBeta, p: int, algorithm: str = "ring") -> AlphaBeta:
+    """(alpha', beta') of a whole allreduce over p ranks: ``.time(n)`` gives its seconds."""
+    if algorithm not in ALLREDUCE_COSTS:
+        raise ValueError(f"algorithm must be one of {tuple(ALLREDUCE_COSTS)}, got {algorithm!r}")
+    return ALLREDUCE_COSTS[algorithm](link, p)
+
+
+# --- buckets: how much of the gradients' allreduce backward hides ------------------------------
+
+def check_backward(model_bytes: float, backward_seconds: float) -> None:
+    """Raise a clear error unless the model size and the backward time make sense."""
+    check_bytes(model_bytes, "model_bytes")
+    if not (math.isfinite(backward_seconds) and backward_seconds >= 0):
+        raise ValueError(f"backward_seconds must be finite and >= 0, got {backward_seconds}")
+
+
+def bucket_finish_times(model_bytes: float, backward_seconds: float, bucket_bytes: float,
+                        cost: AlphaBeta) -> list[float]:
+    """When each bucket's allreduce finishes, backward starting at 0 and lasting backward_seconds.
+
+    Backward produces model_bytes of gradients at a uniform rate; bucket k (1, 2, ...) holds
+    bytes up to min(k b, M) and is ready when they are; the allreduces, cost.time(size) each,
+    run one after another in order: finish_k = max(ready_k, finish_{k-1}) + cost.time(b_k).
+    """
+    check_backward(model_bytes, backward_seconds)
+    if not (math.isfinite(bucket_bytes) and bucket_bytes > 0):
+        raise ValueError(f"bucket_bytes must be finite and > 0, got {bucket_bytes}")
+    finish, start, finishes = 0.0, 0.0, []
+    for k in range(1, math.ceil(model_bytes / bucket_bytes) + 1):
+        end = min(k * bucket_bytes, model_bytes)
+        ready = end / model_bytes * backward_seconds
+        finish = max(ready, finish) + cost.time(end - start)
+        finishes.append(finish)
+        start = end
+    return finishes
+
+
+def exposed_communication(model_bytes: float, backward_seconds: float, bucket_bytes: float,
+                          cost: AlphaBeta) -> float:
+    """Seconds by which the buckets' allreduces extend the step beyond backward.
+
+    The predicted step time is forward + backward + this + optimizer. With equal buckets
+    (b divides M), t = cost.time(b) and tau = b/M * backward (the time to produce a bucket):
+    exposed = t + (M/b - 1) * max(0, t - tau) - the last allreduce is never hidden (grows
+    with b), and an allreduce slower than producing a bucket adds a backlog per bucket (many
+    alphas when b is small).
+    """
+    finishes = bucket_finish_times(model_bytes, backward_seconds, bucket_bytes, cost)
+    return finishes[-1] - backward_seconds if finishes else 0.0
+
+
+def best_bucket_size(model_bytes: float, backward_seconds: float, cost: AlphaBeta,
+                     candidates: Sequence[float]) -> float:
+    """The candidate bucket size with the least exposed communication (the first, on ties).
+
+    When backward outpaces the network (M beta' < backward), the best size is the smallest
+    whose allreduce is no slower than producing it: b* = alpha' M / (backward - M beta').
+    """
+    if not candidates:
+        raise ValueError("best_bucket_size needs at least one candidate bucket size")
+    return min(candidates, key=lambda b: exposed_communication(model_bytes, backward_seconds,
+                                                                b, cost))
+
+
+def predict_ddp_overhead(model_bytes: float, p: int, link_bandwidth_bytes_per_s: float,
+                         latency_s: float, algorithm: str = "ring", *,
+                         backward_seconds: float = 0.0,
+                         bucket_bytes: float = 25 * 2**20) -> float:
+    """Seconds a DDP step spends communicating beyond backward, from a link's published figures.
+
+    Each message costs latency_s + n / link_bandwidth_bytes_per_s; the gradients are reduced in
+    buckets with the given algorithm (a ring across nodes: pass the slowest link).
+    backward_seconds=0 gives the whole time of the buckets' allreduces, none of it hidden.
+    """
+    if not (math.isfinite(link_bandwidth_bytes_per_s) and link_bandwidth_bytes_per_s > 0):
+        raise ValueError(f"link bandwidth must be > 0 bytes/s, got {link_bandwidth_bytes_per_s}")
+    if not (math.isfinite(latency_s) and latency_s >= 0):
+        raise ValueError(f"latency must be >= 0 seconds, got {latency_s}")
+    link = AlphaBeta(latency_s, 1 / link_bandwidth_bytes_per_s)
+    cost = allreduce_cost(link, p, algorithm)
+    return exposed_communication(model_bytes, backward_seconds, bucket_bytes, cost)

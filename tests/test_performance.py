@@ -1,0 +1,145 @@
+"""performance: each chapter-08 driver on a tiny configuration, and the benchmark's JSON.
+
+Only shapes and invariants are checked (keys, positive finite numbers, overlap within
+[0, 1]): speeds depend on the machine and its load, and are printed, never asserted. Each
+driver starts processes (seconds each), so every one runs once, on the smallest case.
+"""
+import json
+import math
+
+import pytest
+
+from dpcourse import bench, performance, throughput
+from dpcourse.throughput import bus_bandwidth
+
+ALLREDUCE_NAMES = ["dist.all_reduce", "p2p.allreduce", "p2p.ring_allreduce", "shm", "memcpy"]
+NUMELS = [10, 16384, 65536]  # the last two: 64 KiB and 256 KiB, the fitted range's start
+CAPS_MB = [1 / 1024, 64.0]
+
+
+def assert_positive(values: dict, keys) -> None:
+    assert list(values) == list(keys)
+    for key, value in values.items():
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
+
+
+@pytest.fixture(scope="module")
+def sweep() -> dict:
+    return performance.allreduce_sweep(NUMELS, world_size=2, repeats=1, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def anatomy() -> dict:
+    return performance.step_anatomy(steps=1, batch_size=8, bucket_cap_mb=0.1, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def buckets() -> dict:
+    return performance.bucket_sweep(CAPS_MB, steps=1, batch_size=2, repeats=1, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def scaled() -> dict:
+    return performance.scaling(worlds=(1, 2), steps=1, batch_size=8, repeats=1, timeout=60)
+
+
+def test_allreduce_sweep_times_every_allreduce_and_the_copy_at_every_size(sweep):
+    assert list(sweep) == ALLREDUCE_NAMES
+    for by_numel in sweep.values():
+        assert_positive(by_numel, NUMELS)
+
+
+def test_sweep_busbw_uses_nccl_tests_for_allreduces_and_bytes_per_second_for_the_copy(sweep):
+    busbw = performance.sweep_busbw(sweep, 2)
+    n = NUMELS[-1]
+    assert busbw["shm"][n] == bus_bandwidth(4 * n, sweep["shm"][n], 2)
+    assert busbw["memcpy"][n] == 4 * n / sweep["memcpy"][n]
+
+
+def test_copy_bound_is_bytes_over_seconds():
+    assert performance.copy_bound_busbw(64 * 2**20, 0.5) == 134_217_728.0
+
+
+def test_memcpy_bound_is_a_bandwidth():
+    bound = performance.memcpy_bound(2**16, world_size=2, repeats=1, timeout=60)
+    assert isinstance(bound, float) and math.isfinite(bound) and bound > 0
+
+
+def test_busy_seconds_counts_overlapping_intervals_once():
+    assert performance.busy_seconds([]) == 0.0
+    assert performance.busy_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
+    assert performance.busy_seconds([(4.0, 5.0), (0.0, 10.0), (2.0, 3.0)]) == 10.0
+
+
+def test_step_anatomy_gives_every_phase_and_an_overlap_within_0_and_1(anatomy):
+    times = {k: v for k, v in anatomy.items() if k.endswith("_s")}
+    assert set(times) == {"forward_s", "backward_no_sync_s", "backward_sync_s", "optimizer_s",
+                          "comm_s", "exposed_comm_s", "hidden_comm_s"}
+    assert_positive({k: times[k] for k in times if k not in ("exposed_comm_s", "hidden_comm_s")},
+                    [k for k in times if k not in ("exposed_comm_s", "hidden_comm_s")])
+    assert anatomy["exposed_comm_s"] == max(0.0, anatomy["backward_sync_s"]
+                                            - anatomy["backward_no_sync_s"])
+    assert anatomy["hidden_comm_s"] == max(0.0, anatomy["comm_s"] - anatomy["exposed_comm_s"])
+    assert 0.0 <= anatomy["overlap"] <= 1.0
+
+
+def test_step_anatomy_timeline_has_each_bucket_launched_before_it_finished(anatomy):
+    assert anatomy["gradient_bytes"] == 516_272  # LeNet's 129,068 float32 parameters
+    assert anatomy["buckets"] > 1  # a 0.1 MiB cap splits LeNet's 0.49 MiB
+    timeline = anatomy["timeline"]
+    assert [b for b, _, _ in timeline] == list(range(anatomy["buckets"]))
+    assert all(0 <= launched <= finished for _, launched, finished in timeline)
+
+
+def test_step_anatomy_rejects_an_unknown_model():
+    with pytest.raises(ValueError, match="model must be one of"):
+        performance.step_anatomy(model="vgg")
+
+
+def test_bucket_sweep_gives_a_step_time_per_cap_and_what_the_model_needs(buckets):
+    assert_positive(buckets["step_seconds"], CAPS_MB)
+    assert buckets["backward_seconds"] > 0
+    assert buckets["buckets"][64.0] == 1  # 43 MiB of gradients fit one 64 MiB bucket
+    assert buckets["buckets"][1 / 1024] > 1
+    assert buckets["gradient_bytes"] == 4 * sum(
+        p.numel() for p in performance.resnet18_model().parameters())
+
+
+def test_scaling_gives_images_per_second_and_efficiency_per_world(scaled):
+    assert list(scaled) == ["strong", "weak"]
+    for result in scaled.values():
+        assert_positive(result["images_per_s"], [1, 2])
+        rate = result["images_per_s"]
+        assert result["efficiency"] == {1: 1.0, 2: rate[2] / rate[1] / 2}
+
+
+def test_scaling_rejects_a_batch_that_does_not_split_and_unknown_modes():
+    with pytest.raises(ValueError, match="evenly"):
+        performance.scaling(worlds=(1, 3), batch_size=8)
+    with pytest.raises(ValueError, match="modes"):
+        performance.scaling(modes=("sideways",))
+
+
+def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buckets, scaled):
+    """bench --quick --json in-process, with the drivers' launches replaced by the tiny
+    results above (the real quick run starts processes for a minute or more)."""
+    monkeypatch.setattr(performance, "allreduce_sweep", lambda *a, **k: sweep)
+    monkeypatch.setattr(performance, "step_anatomy", lambda *a, **k: anatomy)
+    monkeypatch.setattr(performance, "bucket_sweep", lambda *a, **k: buckets)
+    monkeypatch.setattr(performance, "scaling", lambda *a, **k: scaled)
+    monkeypatch.setattr(bench, "compare_ddp", lambda **k: dict.fromkeys(
+        list(throughput.DDP_VARIANTS), 1.0))
+    monkeypatch.setattr(bench, "compare_processes_and_threads", lambda **k: dict.fromkeys(
+        ["1 process x 2 threads", "2 processes x 1 thread"], 1.0))
+    path = tmp_path / "bench.json"
+    bench.main(["--quick", "--repeats", "1", "--batch-size", "8", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    assert figures["quick"] is True
+    for section in ("forward_backward_s", "train_batch_s", "simulated_allreduce", "allreduce_s",
+                    "chapter_07", "chapter_08"):
+        assert figures[section], section
+    assert set(figures["allreduce_s"]) == {"2", "4"}
+    ch08 = figures["chapter_08"]
+    assert set(ch08) >= {"alpha_beta", "anatomy", "buckets", "scaling"}
+    assert set(ch08["alpha_beta"]["2"]) == set(ALLREDUCE_NAMES[:-1])
+    assert ch08["buckets"]["predicted_best_bytes"] in [c * 2**20 for c in CAPS_MB]

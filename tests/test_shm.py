@@ -1,0 +1,103 @@
+"""SharedMemoryAllreduce against dist.all_reduce, in real processes.
+
+The collective works on the default process group, so each world size (1 to 4) gets one
+launch, which runs every case in turn on one object, then its error cases.
+"""
+import pytest
+import torch
+
+from dpcourse import _workers
+from dpcourse.launch import RankError, launch
+from dpcourse.shm import PREFIX, SHM_DIR, SharedMemoryAllreduce
+
+WORLDS = [1, 2, 3, 4]
+MAX_BYTES = 1 << 16  # 64 KiB in all: 50_000 elements take several rounds
+SIZES = [0, 1, 5, 13, 4099, 50_000]
+DTYPES = [torch.float32, torch.float64, torch.int64]
+CASES = ([(n, dt, False) for n in SIZES for dt in DTYPES]
+         + [(4100, torch.float32, True), (50_000, torch.int64, True), (20, torch.float64, True)])
+
+
+def segment_files() -> set[str]:
+    """The shared-memory files of any SharedMemoryAllreduce now in /dev/shm."""
+    return {p.name for p in SHM_DIR.glob(f"{PREFIX}*")}
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def run(request) -> tuple[int, list[dict], set[str]]:
+    """The world size, each rank's report, and the segment files the launch left behind."""
+    before = segment_files()
+    reports = launch(_workers.shm_against_all_reduce, CASES, MAX_BYTES,
+                     world_size=request.param, backend="gloo", timeout=60)
+    return request.param, reports, segment_files() - before
+
+
+def test_sums_equal_dist_all_reduce(run):
+    world, reports, _ = run
+    for report in reports:
+        assert [r["case"] for r in report["records"]] == CASES
+        for r in report["records"]:
+            result, expected = r["result"], r["expected"]
+            assert result.shape == expected.shape and result.dtype == expected.dtype
+            if result.dtype == torch.int64:
+                assert torch.equal(result, expected), r["case"]
+            else:  # gloo may add in another order: rounding of the partial sums differs
+                rtol = 1e-6 if result.dtype == torch.float32 else 1e-12
+                scale = expected.abs().max().item() if expected.numel() else 0.0
+                torch.testing.assert_close(result, expected, rtol=rtol, atol=rtol * scale,
+                                           msg=lambda m, r=r: f"{r['case']}: {m}")
+
+
+def test_every_slice_is_summed_in_rank_order(run):
+    world, reports, _ = run
+    for i, (numel, dtype, transposed) in enumerate(CASES):
+        expected = _workers.shm_input(0, numel, dtype, transposed).clone()
+        for rank in range(1, world):
+            expected += _workers.shm_input(rank, numel, dtype, transposed)
+        for report in reports:  # the same bits on every rank
+            assert torch.equal(report["records"][i]["result"], expected), CASES[i]
+
+
+def test_sums_in_place_and_returns_the_input(run):
+    _, reports, _ = run
+    for report in reports:
+        assert all(r["returned_input"] for r in report["records"])
+        assert [not r["contiguous"] for r in report["records"]] == [t for *_, t in CASES]
+
+
+def test_no_segment_outlives_its_mapping(run):
+    _, reports, left = run
+    assert left == set()
+    for report in reports:
+        assert report["files_while_open"] == []  # removed as soon as every rank mapped it
+        assert report["mapped_after_close"] == 0
+
+
+def test_wrong_calls_raise_the_same_clear_error_on_every_rank(run):
+    world, reports, _ = run
+    if world == 1:
+        pytest.skip("mismatches need two ranks")
+    for rank, report in enumerate(reports):
+        e = report["errors"]
+        assert e["numel"].startswith("ValueError") and "rank 1: 6 x float32" in e["numel"]
+        assert e["dtype"].startswith("ValueError") and "rank 1: 5 x float64" in e["dtype"]
+        assert e["int32"].startswith("TypeError") and "int32" in e["int32"]
+        assert e["meta"].startswith("ValueError") and "CPU tensors" in e["meta"]
+        assert e["max_bytes"].startswith("ValueError") and "max_bytes" in e["max_bytes"]
+        assert e["works_after"] == [float(world)] * 7
+        if rank != 1:
+            assert e["timeout"].startswith("TimeoutError")
+            assert "rank 1 did not arrive" in e["timeout"]
+            assert e["after_timeout"] == "RuntimeError: this SharedMemoryAllreduce is closed"
+
+
+def test_no_segment_left_when_a_rank_is_killed():
+    before = segment_files()
+    with pytest.raises(RankError, match="killed by signal SIGKILL"):
+        launch(_workers.shm_crash, 1, world_size=2, backend="gloo", timeout=30)
+    assert segment_files() - before == set()
+
+
+def test_needs_the_default_process_group():
+    with pytest.raises(RuntimeError, match="default process group"):
+        SharedMemoryAllreduce(1 << 12)
