@@ -21,8 +21,8 @@ from .launch import launch
 from .lenet import LeNet, init_lenet_params
 from .resnet import resnet18
 from .shm import SharedMemoryAllreduce
-from .throughput import (ALLREDUCES, LR, WARMUP_STEPS, bus_bandwidth, medians, slowest_rank,
-                         timed_steps, train_step_fn)
+from .throughput import (ALLREDUCES, LR, WARMUP_STEPS, bus_bandwidth, medians,
+                         round_robin_seconds, slowest_rank, timed_steps, train_step_fn)
 
 MIB = 2**20
 SWEEP_NUMELS = [4**k * 1024 for k in range(8)]  # float32: 4 KiB, 16 KiB, ..., 64 MiB
@@ -35,28 +35,6 @@ RANK_ALLREDUCES: dict[str, Callable[[], ContextManager]] = {"shm": SharedMemoryA
 
 
 # --- allreduce latency and bus bandwidth, next to the copy bound -----------------------------
-
-def round_robin_seconds(cases: dict[str, Callable[[torch.Tensor], object]], numels: list[int],
-                        repeats: int) -> dict[str, dict[int, float]]:
-    """Median seconds per call of each case on a float32 tensor of each numel (filled with 1
-    before each call, untimed), the cases alternated, a barrier before each call, after one
-    warm-up call each; the slowest rank's time."""
-    order = [(name, n) for n in numels for _ in range(repeats) for name in cases]
-    seconds = []
-    for n in numels:
-        x = torch.empty(n)
-        for fn in cases.values():
-            fn(x.fill_(1.0))
-        for _ in range(repeats):
-            for fn in cases.values():
-                x.fill_(1.0)
-                dist.barrier()
-                start = time.perf_counter()
-                fn(x)
-                seconds.append(time.perf_counter() - start)
-    median = medians(order, slowest_rank(seconds))
-    return {name: {n: median[name, n] for n in numels} for name in cases}
-
 
 def allreduce_sweep_on_rank(numels: list[int], repeats: int,
                             names: list[str]) -> dict[str, dict[int, float]]:

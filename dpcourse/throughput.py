@@ -52,24 +52,32 @@ def slowest_rank(seconds: list[float]) -> list[float]:
 
 # --- allreduce: dist.all_reduce, p2p.allreduce, p2p.ring_allreduce ---------------------------
 
-def allreduce_seconds_on_rank(numels: list[int], repeats: int) -> dict[str, dict[int, float]]:
-    """Median seconds per call of each allreduce on float32 tensors of each numel, the
-    algorithms timed round-robin, a barrier before each call, the slowest rank's time."""
-    order = [(name, n) for n in numels for _ in range(repeats) for name in ALLREDUCES]
+def round_robin_seconds(cases: dict[str, Callable[[torch.Tensor], object]], numels: list[int],
+                        repeats: int) -> dict[str, dict[int, float]]:
+    """Median seconds per call of each case on a float32 tensor of each numel (filled with 1
+    before each call, untimed: the sum stays small), the cases alternated, a barrier before
+    each call, after one warm-up call each (connections, buffers, caches); the slowest rank's
+    time."""
+    order = [(name, n) for n in numels for _ in range(repeats) for name in cases]
     seconds = []
     for n in numels:
         x = torch.empty(n)
-        for fn in ALLREDUCES.values():  # warm-up: connections, buffers, caches
+        for fn in cases.values():
             fn(x.fill_(1.0))
         for _ in range(repeats):
-            for fn in ALLREDUCES.values():
-                x.fill_(1.0)  # the sum stays small however many calls (not timed)
+            for fn in cases.values():
+                x.fill_(1.0)
                 dist.barrier()
                 start = time.perf_counter()
                 fn(x)
                 seconds.append(time.perf_counter() - start)
     median = medians(order, slowest_rank(seconds))
-    return {name: {n: median[name, n] for n in numels} for name in ALLREDUCES}
+    return {name: {n: median[name, n] for n in numels} for name in cases}
+
+
+def allreduce_seconds_on_rank(numels: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """round_robin_seconds of the three allreduces of chapter 07."""
+    return round_robin_seconds(ALLREDUCES, numels, repeats)
 
 
 def compare_allreduce(numels: list[int], world_size: int = 2, repeats: int = 5,
