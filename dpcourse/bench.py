@@ -20,7 +20,7 @@ from .cost_model import AlphaBeta, best_bucket_size, fit_alpha_beta, relative_er
 from .hardware import devices, synchronize
 from .lenet import init_lenet_params, lenet, loss
 from .ring import ring_allreduce
-from .throughput import bus_bandwidth, compare_ddp, compare_processes_and_threads
+from .throughput import ALLREDUCES, bus_bandwidth, compare_ddp, compare_processes_and_threads
 from .training import sgd, train_batch
 
 
@@ -138,7 +138,6 @@ BUCKET_BATCH = 16
 SCALING_BATCH = 128
 FIT_FROM, FIT_TO = 64 * 2**10, 64 * 2**20  # bytes: the range the 30% goal covers
 NEAR_BEST = 1.05  # bucket caps whose step is within 5% of the best are printed as ties
-ALLREDUCES_OF_CHAPTER_07 = ("dist.all_reduce", "p2p.allreduce", "p2p.ring_allreduce")
 
 
 def verdict(ratio: float, target: float) -> str:
@@ -158,7 +157,7 @@ def bench_processes(repeats: int, sweeps: dict[int, dict], steps: int, figures: 
           "bus bandwidth 2(w-1)/w * bytes / s:")
     for world, seconds in sweeps.items():
         busbw = {name: bus_bandwidth(4 * numel, t[numel], world) / 1e9
-                 for name, t in seconds.items() if name in ALLREDUCES_OF_CHAPTER_07}
+                 for name, t in seconds.items() if name in ALLREDUCES}
         ring, gloo = busbw["p2p.ring_allreduce"], busbw["dist.all_reduce"]
         print(f"  {world} processes: gloo {gloo:.2f} GB/s, p2p.ring_allreduce {ring:.2f} GB/s, "
               f"p2p.allreduce {busbw['p2p.allreduce']:.2f} GB/s; "

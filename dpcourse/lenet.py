@@ -38,3 +38,8 @@ class LeNet(nn.Module):
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         return lenet(X, list(self.params))
+
+
+def lenet_model(seed: int = 0) -> LeNet:
+    """The course's LeNet as an nn.Module, weights drawn from seed at the CPU scale 0.1."""
+    return LeNet(init_lenet_params(seed, scale=0.1))

@@ -18,10 +18,10 @@ from torch import nn
 
 from .ddp import ScratchDDP
 from .launch import launch
-from .lenet import LeNet, init_lenet_params
+from .lenet import lenet_model
 from .resnet import resnet18
 from .shm import SharedMemoryAllreduce
-from .throughput import (ALLREDUCES, LR, WARMUP_STEPS, bus_bandwidth, medians,
+from .throughput import (ALLREDUCES, LR, WARMUP_STEPS, bus_bandwidth, medians, random_batch,
                          round_robin_seconds, slowest_rank, timed_steps, train_step_fn)
 
 MIB = 2**20
@@ -90,11 +90,6 @@ def sweep_busbw(seconds: dict[str, dict[int, float]], world_size: int) -> dict[s
 
 # --- models and their fixed random batches ---------------------------------------------------
 
-def lenet_model() -> nn.Module:
-    """LeNet as chapter 07 trains it (seed 0, scale 0.1)."""
-    return LeNet(init_lenet_params(0, scale=0.1))
-
-
 def resnet18_model() -> nn.Module:
     """d2l's ResNet-18 (11.2 M parameters, the same on every rank: seed 0)."""
     torch.manual_seed(0)
@@ -109,10 +104,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], int]] = {
 
 def model_batch(model: str, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed random one-channel images of the model's side and labels 0-9."""
-    side = MODELS[model][1]
-    g = torch.Generator().manual_seed(seed)
-    return (torch.rand(batch_size, 1, side, side, generator=g),
-            torch.randint(0, 10, (batch_size,), generator=g))
+    return random_batch(batch_size, seed, side=MODELS[model][1])
 
 
 def gradient_bytes(module: nn.Module) -> int:
@@ -285,8 +277,9 @@ def scaling(worlds: tuple[int, ...] = (1, 2, 4), modes: tuple[str, ...] = ("stro
 
     strong: batch_size images per step in all, split over the ranks; efficiency = speedup over
     1 process / world. weak: batch_size images per rank; efficiency = images/s per rank over
-    1 process's. (Without 1 in worlds, the smallest world given stands for 1 process.) One launch per world size (a process group's size is fixed when it is made),
-    both modes alternated inside it. Each rank runs one thread: 4 processes on a 2-core
+    1 process's. (Without 1 in worlds, the smallest world given stands for 1 process.) One
+    launch per world size (a process group's size is fixed when it is made), both modes
+    alternated inside it. Each rank runs one thread: 4 processes on a 2-core
     machine oversubscribe it, two per core.
     """
     for mode in modes:

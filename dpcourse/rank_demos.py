@@ -19,7 +19,7 @@ from . import p2p
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data_parallel import max_relative_difference
 from .ddp import ScratchDDP, average_gradients, broadcast_parameters
-from .lenet import LeNet, init_lenet_params
+from .lenet import lenet_model
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -76,11 +76,6 @@ def p2p_against_all_reduce(numels: list[int]) -> list[dict]:
             row[f"{fn.__name__} equal"] = torch.equal(y, expected)
         rows.append(row)
     return rows
-
-
-def lenet_model(seed: int) -> LeNet:
-    """The course's LeNet as an nn.Module, initialised from seed."""
-    return LeNet(init_lenet_params(seed, scale=0.1))
 
 
 def sgd_on_shards(model: nn.Module, batches: Batches, lr: float, rank: int = 0,

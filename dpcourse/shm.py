@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .p2p import check_tensor, flat_view
+from .p2p import SUPPORTED_DTYPES, check_tensor, flat_view
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "dpcourse-shm-"
 HEADER_BYTES = 64  # int64s: [0] counter, [1] numel, [2] dtype code; then the buffer
 ALIGN = 64  # regions start on cache lines
-DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.int64: 3}
+DTYPE_CODES = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES, 1)}
 
 
 class SharedMemoryAllreduce:

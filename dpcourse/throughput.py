@@ -21,7 +21,7 @@ from torch import nn
 from . import p2p
 from .ddp import ScratchDDP
 from .launch import launch, rank_device
-from .lenet import LeNet, init_lenet_params
+from .lenet import lenet_model
 
 ALLREDUCES: dict[str, Callable[[torch.Tensor], object]] = {
     "dist.all_reduce": dist.all_reduce,
@@ -90,12 +90,12 @@ def compare_allreduce(numels: list[int], world_size: int = 2, repeats: int = 5,
 
 # --- DDP: ScratchDDP (gloo's all_reduce or our ring) against torch's DDP ---------------------
 
-def random_batch(batch_size: int, seed: int,
-                 device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed random images and labels of LeNet's shape, on device."""
+def random_batch(batch_size: int, seed: int, device: torch.device = torch.device("cpu"),
+                 side: int = 28) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed random one-channel images (LeNet's 28 x 28 by default) and labels 0-9, on device."""
     g = torch.Generator().manual_seed(seed)
-    X, y = torch.rand(batch_size, 1, 28, 28, generator=g), torch.randint(0, 10, (batch_size,),
-                                                                         generator=g)
+    X, y = (torch.rand(batch_size, 1, side, side, generator=g),
+            torch.randint(0, 10, (batch_size,), generator=g))
     return X.to(device), y.to(device)
 
 
@@ -114,7 +114,7 @@ def train_step_fn(model: nn.Module, batch_size: int, seed: int,
 
 def ddp_model(variant: str) -> nn.Module:
     """LeNet wrapped in the named DDP variant."""
-    net = LeNet(init_lenet_params(0, scale=0.1))
+    net = lenet_model()
     if variant == "torch DDP":
         return nn.parallel.DistributedDataParallel(net)
     return ScratchDDP(net, ring=variant == "ScratchDDP, ring", shm=variant == "ScratchDDP, shm")
@@ -158,7 +158,7 @@ def gpu_images_per_second_on_rank(steps: int, batch_size: int) -> float:
     """Global images/s of LeNet training with torch's DDP on this rank's GPU, after a warm-up;
     the slowest rank's time, with the GPU's queue drained before the clock stops."""
     device = rank_device()
-    net = LeNet(init_lenet_params(0, scale=0.1)).to(device)
+    net = lenet_model().to(device)
     step = train_step_fn(nn.parallel.DistributedDataParallel(net, device_ids=[device.index]),
                          batch_size, seed=dist.get_rank(), device=device)
     for _ in range(WARMUP_STEPS):
@@ -190,9 +190,9 @@ def processes_and_threads_on_rank(steps: int, global_batch: int,
     with 2 threads while rank 1 sleeps in a barrier, then both ranks with torch's DDP on
     global_batch/2 images each, 1 thread each; repeats rounds (median), after a warm-up."""
     rank = dist.get_rank()
-    alone = train_step_fn(LeNet(init_lenet_params(0, scale=0.1)), global_batch, seed=0)
+    alone = train_step_fn(lenet_model(), global_batch, seed=0)
     together = train_step_fn(nn.parallel.DistributedDataParallel(
-        LeNet(init_lenet_params(0, scale=0.1))), global_batch // 2, seed=rank)
+        lenet_model()), global_batch // 2, seed=rank)
 
     def one_process(n: int) -> float:  # rank 1 waits in the barrier that follows
         torch.set_num_threads(2)

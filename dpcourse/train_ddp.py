@@ -30,7 +30,7 @@ from .checkpoint import unwrap
 from .concise import make_resnet18
 from .data import SOURCES, Images, fashion_mnist, resolve_source
 from .ddp import ScratchDDP
-from .lenet import LeNet, init_lenet_params
+from .lenet import lenet_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -107,7 +107,7 @@ def load_train_data(size: int, source: str | None) -> Images:
 def build_model(name: str, seed: int, device: torch.device) -> nn.Module:
     """LeNet (scale 0.1, the course's CPU setting) or the course's ResNet-18, on device."""
     if name == "lenet":
-        return LeNet(init_lenet_params(seed, scale=0.1)).to(device)
+        return lenet_model(seed).to(device)
     return make_resnet18(device, seed)
 
 

@@ -48,7 +48,10 @@ def test_sums_equal_dist_all_reduce(runs, world):
         for r in per_case:
             assert r["result"].shape == r["expected"].shape
             assert r["result"].dtype == r["expected"].dtype
-            torch.testing.assert_close(r["result"], r["expected"],
+            # only the order of 1 to 4 additions differs: rounding of the largest value
+            rtol = {torch.float32: 1e-6, torch.float64: 1e-12}.get(r["expected"].dtype, 0.0)
+            scale = r["expected"].abs().max().item() if r["expected"].numel() else 0.0
+            torch.testing.assert_close(r["result"], r["expected"], rtol=rtol, atol=rtol * scale,
                                        msg=lambda m, r=r: f"{r['case']}: {m}")
 
 
@@ -71,8 +74,9 @@ def test_ring_traffic_is_2_world_minus_1_over_world(runs, world):
         if name == "ring_allreduce":
             sent = [per_case[i]["sent"] for per_case in records(runs, world)]
             assert sum(sent) == 2 * (world - 1) * numel  # every chunk makes 2(w-1) hops
-            law = 2 * (world - 1) / world * numel
-            assert all(abs(s - law) < 2 for s in sent), (CASES[i], sent, law)
+            chunks = [len(c) for c in torch.arange(numel).tensor_split(world)]
+            assert sent == [sum(chunks[(r - s) % world] for s in range(2 * (world - 1)))
+                            for r in range(world)], (CASES[i], sent)  # 2(w-1)/w N, exactly
 
 
 def test_forbidding_collectives_really_forbids_them():
