@@ -1,9 +1,10 @@
-"""Benchmark: `python -m dpcourse.bench [--quick] [--json PATH]`. Every ratio compares timings
-taken side by side, in one run; --quick uses small sizes and few repeats (for CI) and --json
-writes every measured figure to PATH."""
+"""Benchmark: `python -m dpcourse.bench [--quick] [--json PATH] [--csv PATH]`. Every ratio
+compares timings taken side by side, in one run; --quick uses small sizes and few repeats (for
+CI), --json writes every measured figure to PATH and --csv the allreduce sweep as a table."""
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import statistics
@@ -137,6 +138,7 @@ ANATOMY_BATCH = {"lenet": 64, "resnet18": 16}
 BUCKET_BATCH = 16
 SCALING_BATCH = 128
 FIT_FROM, FIT_TO = 64 * 2**10, 64 * 2**20  # bytes: the range the issue's 30% goal covers
+SHM_DDP_BATCHES = (16, 128)  # images per process
 NEAR_BEST = 1.05  # bucket caps whose step is within 5% of the best are printed as ties
 
 
@@ -148,14 +150,15 @@ def verdict(ratio: float, target: float) -> str:
 
 def bench_processes(repeats: int, sweeps: dict[int, dict], steps: int, figures: dict) -> None:
     """Chapter 07 on real processes (gloo over loopback), each comparison in one run; the
-    allreduce figures are the chapter-08 sweep's largest size (same timing, same run)."""
+    allreduce figures are the chapter-08 sweep's largest size (its medians, as chapter 07)."""
     rounds = max(3, repeats // 4)  # a training round takes seconds
     numel = max(next(iter(sweeps.values()))["dist.all_reduce"])  # 64 MiB unless told less
     print(f"\nChapter 07, separate processes (load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores: other work slows them unevenly)."
           f"\nAllreduce of {size_label(4 * numel)} of float32 (median of {repeats}), "
           "bus bandwidth 2(w-1)/w * bytes / s:")
-    for world, seconds in sweeps.items():
+    for world, samples in sweeps.items():
+        seconds = performance.per_size(samples, "median")
         busbw = {name: bus_bandwidth(4 * numel, t[numel], world) / 1e9
                  for name, t in seconds.items() if name in ALLREDUCES}
         ring, gloo = busbw["p2p.ring_allreduce"], busbw["dist.all_reduce"]
@@ -167,8 +170,6 @@ def bench_processes(repeats: int, sweeps: dict[int, dict], steps: int, figures: 
           "rounds): " + ", ".join(f"{name} {rate:.0f} images/s" for name, rate in ddp.items()))
     print(f"  ScratchDDP/torch DDP {verdict(ddp['ScratchDDP'] / ddp['torch DDP'], 0.95)}; "
           f"with our ring x{ddp['ScratchDDP, ring'] / ddp['torch DDP']:.2f}")
-    print("  ScratchDDP with shared memory / with gloo (chapter 08) "
-          f"{verdict(ddp['ScratchDDP, shm'] / ddp['ScratchDDP'], 1.1)}")
     pt = compare_processes_and_threads(steps=steps, repeats=rounds, timeout=300)
     threads, processes = pt["1 process x 2 threads"], pt["2 processes x 1 thread"]
     print(f"LeNet training, 256 images per step, {steps} steps (median of {rounds} rounds): "
@@ -191,9 +192,10 @@ def size_label(nbytes: float) -> str:
 def print_sweep(seconds: dict[str, dict[int, float]], world: int, repeats: int) -> None:
     """The sweep as a table: per implementation, ms per call and bus bandwidth in GB/s."""
     busbw = performance.sweep_busbw(seconds, world)
-    print(f"\nAllreduce of float32, {world} processes (median of {repeats}): ms per call, bus "
-          f"bandwidth GB/s; {performance.MEMCPY}: Tensor.copy_ of as many bytes on every "
-          "process at once, its GB/s the bound of an allreduce made of copies:")
+    print(f"\nAllreduce of float32, {world} processes (fastest of {repeats} calls; medians in "
+          f"--json and --csv): ms per call, bus bandwidth GB/s; {performance.MEMCPY}: "
+          "Tensor.copy_ of as many bytes on every process at once, its GB/s the bound of an "
+          "allreduce made of copies:")
     print(f"  {'size':>7s}" + "".join(f"{name:>20s}" for name in seconds))
     for n in next(iter(seconds.values())):
         print(f"  {size_label(4 * n):>7s}" + "".join(
@@ -233,8 +235,8 @@ def fit_allreduces(seconds: dict[str, dict[int, float]]) -> dict[str, dict[str, 
 
 def print_fits(fits: dict[str, dict[str, float]], world: int) -> None:
     """One line per fit, with the issue's 30% goal for gloo and the ring."""
-    print(f"  alpha-beta fits, {world} processes, {size_label(FIT_FROM)} to {size_label(FIT_TO)} "
-          "(least squares on relative errors):")
+    print(f"  alpha-beta fits to the fastest calls, {world} processes, {size_label(FIT_FROM)} to "
+          f"{size_label(FIT_TO)} (least squares on relative errors):")
     for name, f in fits.items():
         worst = f["worst_relative_error"]
         goal = ("" if name not in ("dist.all_reduce", "p2p.ring_allreduce") else
@@ -259,6 +261,20 @@ def bench_anatomy(sizes: Sizes, figures: dict) -> None:
               f"{ms['backward_sync_s']:.1f} ms, optimizer {ms['optimizer_s']:.1f} ms; comm "
               f"{ms['comm_s']:.1f} ms, exposed {ms['exposed_comm_s']:.1f} ms, overlap "
               f"{a['overlap']:.0%}")
+
+
+def bench_shm_ddp(sizes: Sizes, figures: dict) -> None:
+    """ScratchDDP over shared memory against over gloo, LeNet, at a few per-process batches:
+    the smaller the batch, the larger communication's share of a step (goal: 1.1x)."""
+    rounds = max(3, sizes.repeats // 4)
+    print(f"\nScratchDDP with the shared-memory allreduce / with gloo's, LeNet, 2 processes, "
+          f"{sizes.ddp_steps} steps (median of {rounds} rounds):")
+    for batch in SHM_DDP_BATCHES:
+        ddp = compare_ddp(steps=sizes.ddp_steps, batch_size=batch, repeats=rounds, timeout=300)
+        figures[batch] = ddp
+        ratio = ddp["ScratchDDP, shm"] / ddp["ScratchDDP"]
+        print(f"  2 x {batch:3d} images: gloo {ddp['ScratchDDP']:6.0f} images/s, shm "
+              f"{ddp['ScratchDDP, shm']:6.0f} images/s, shm/gloo {verdict(ratio, 1.1)}")
 
 
 def bench_buckets(sizes: Sizes, gloo: AlphaBeta, figures: dict) -> None:
@@ -300,6 +316,23 @@ def bench_scaling(sizes: Sizes, figures: dict) -> None:
             for mode in s))
 
 
+CSV_COLUMNS = ("processes", "implementation", "bytes", "calls", "fastest_s", "median_s",
+               "busbw_fastest_GBps")
+
+
+def write_sweep_csv(path: Path, sweeps: dict[int, dict[str, dict[int, list[float]]]]) -> None:
+    """The allreduce sweeps as CSV: one row per process count, implementation and size."""
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(CSV_COLUMNS)
+        for world, samples in sweeps.items():
+            busbw = performance.sweep_busbw(performance.per_size(samples, "min"), world)
+            for name, by_numel in samples.items():
+                for n, ts in by_numel.items():
+                    out.writerow([world, name, 4 * n, len(ts), min(ts), statistics.median(ts),
+                                  busbw[name][n] / 1e9])
+
+
 class Laps(dict):
     """Seconds each section of the benchmark took, by name, in order."""
 
@@ -318,7 +351,8 @@ def bench_chapter_08(sizes: Sizes, sweeps: dict[int, dict], figures: dict, laps:
     print(f"\nChapter 08, performance measured and modelled (load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores).")
     fits = {}
-    for world, seconds in sweeps.items():
+    for world, samples in sweeps.items():
+        seconds = performance.per_size(samples, "min")
         print_sweep(seconds, world, sizes.repeats)
         if world == 2:  # the issue's goals for the shared-memory allreduce
             figures["shm_goals"] = shm_goals(seconds, world)
@@ -327,6 +361,8 @@ def bench_chapter_08(sizes: Sizes, sweeps: dict[int, dict], figures: dict, laps:
     figures["alpha_beta"] = fits
     bench_anatomy(sizes, figures.setdefault("anatomy", {}))
     laps.lap("anatomy")
+    bench_shm_ddp(sizes, figures.setdefault("shm_ddp_images_per_s", {}))
+    laps.lap("ScratchDDP over shm")
     gloo = AlphaBeta(fits[2]["dist.all_reduce"]["alpha"], fits[2]["dist.all_reduce"]["beta"])
     bench_buckets(sizes, gloo, figures.setdefault("buckets", {}))
     laps.lap("bucket sweep")
@@ -344,6 +380,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="batch of the simulated train_batch section (256, or 64 with --quick)")
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="also write every measured figure to PATH as JSON")
+    parser.add_argument("--csv", type=Path, metavar="PATH",
+                        help="also write the allreduce sweep to PATH as CSV, one row per size")
     return parser.parse_args(argv)
 
 
@@ -379,6 +417,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1))
         print(f"Every figure written to {args.json}")
+    if args.csv is not None:
+        write_sweep_csv(args.csv, sweeps)
+        print(f"The allreduce sweep written to {args.csv}")
     return figures
 
 

@@ -4,10 +4,12 @@ As in ``throughput`` (chapter 07), each driver runs in the parent and starts the
 ``launch``; the ``*_on_rank`` functions are what every rank runs (top-level, so that a
 spawned process can import them). The variants compared in one launch are timed in
 alternation, a barrier before each, and each figure is the median over the rounds of the
-slowest rank's time. Every rank runs one intra-op thread (``launch``'s default).
+slowest rank's time (the allreduce sweep keeps every call: see per_size). Every rank runs
+one intra-op thread (``launch``'s default).
 """
 from __future__ import annotations
 
+import statistics
 import time
 from contextlib import ExitStack, nullcontext
 from typing import Callable, ContextManager, Sequence
@@ -17,12 +19,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .ddp import ScratchDDP
-from .launch import launch
+from .launch import launch, rank_device
 from .lenet import lenet_model
 from .resnet import resnet18
 from .shm import SharedMemoryAllreduce
+from .shm_steps import SHM_STEPS
 from .throughput import (ALLREDUCES, LR, WARMUP_STEPS, bus_bandwidth, medians, random_batch,
-                         round_robin_seconds, slowest_rank, timed_steps, train_step_fn)
+                         round_robin_samples, slowest_rank, timed_steps, train_step_fn)
 
 MIB = 2**20
 SWEEP_NUMELS = [4**k * 1024 for k in range(8)]  # float32: 4 KiB, 16 KiB, ..., 64 MiB
@@ -30,33 +33,57 @@ MEMCPY = "memcpy"
 
 
 # Allreduces built collectively on every rank: name -> a factory of a context manager with an
-# .allreduce(tensor) method, called with no argument (SharedMemoryAllreduce: default buffer).
-RANK_ALLREDUCES: dict[str, Callable[[], ContextManager]] = {"shm": SharedMemoryAllreduce}
+# .allreduce(tensor) method, called with no argument (SharedMemoryAllreduce: default buffer),
+# and the steps that lead to it (chapter 08, section 2; swept only when named).
+RANK_ALLREDUCES: dict[str, Callable[[], ContextManager]] = {"shm": SharedMemoryAllreduce,
+                                                             **SHM_STEPS}
 
 
 # --- allreduce latency and bus bandwidth, next to the copy bound -----------------------------
 
 def allreduce_sweep_on_rank(numels: list[int], repeats: int,
-                            names: list[str]) -> dict[str, dict[int, float]]:
-    """round_robin_seconds of the named allreduces and of "memcpy" (x.copy_ of as many bytes
+                            names: list[str]) -> dict[str, dict[int, list[float]]]:
+    """round_robin_samples of the named allreduces and of "memcpy" (x.copy_ of as many bytes
     from another tensor, every rank at once)."""
-    source = torch.ones(max(numels, default=0))
+    source = torch.ones(max(numels, default=0), device=rank_device())
     with ExitStack() as built:  # closed on every rank, also when a case raises
         cases = {name: ALLREDUCES[name] if name in ALLREDUCES
                  else built.enter_context(RANK_ALLREDUCES[name]()).allreduce for name in names}
         cases[MEMCPY] = lambda x: x.copy_(source[:x.numel()])
-        return round_robin_seconds(cases, numels, repeats)
+        return round_robin_samples(cases, numels, repeats)
 
 
 def allreduce_sweep(numels: Sequence[int] = SWEEP_NUMELS[:6], world_size: int = 2,
-                    repeats: int = 3, timeout: float = 120.0) -> dict[str, dict[int, float]]:
-    """Median seconds per call of each allreduce ("dist.all_reduce" is gloo's, then
-    "p2p.allreduce", "p2p.ring_allreduce", "shm") on float32 tensors of each numel, and of
-    "memcpy": a Tensor.copy_ of the same bytes on every rank at once. One launch of
-    world_size processes (the default: 4 KiB to 4 MiB, a few seconds past the start-up)."""
-    names = [*ALLREDUCES, *RANK_ALLREDUCES]
-    return launch(allreduce_sweep_on_rank, list(numels), repeats, names,
-                  world_size=world_size, backend="gloo", timeout=timeout)[0]
+                    repeats: int = 3, timeout: float = 120.0, names: Sequence[str] | None = None,
+                    backend: str = "gloo") -> dict[str, dict[int, list[float]]]:
+    """Seconds of every call (the slowest rank's) of each named allreduce on float32 tensors
+    of each numel, and of "memcpy": a Tensor.copy_ of the same bytes on every rank at once.
+
+    names: from ALLREDUCES ("dist.all_reduce" is the backend's own) and RANK_ALLREDUCES; by
+    default ALLREDUCES and "shm" under gloo, ALLREDUCES under nccl (tensors on each rank's
+    GPU). One launch of world_size processes; per_size gives one figure per size.
+    """
+    if names is None:
+        names = [*ALLREDUCES, "shm"] if backend == "gloo" else [*ALLREDUCES]
+    unknown = [n for n in names if n not in ALLREDUCES and n not in RANK_ALLREDUCES]
+    if unknown:
+        raise ValueError(f"unknown allreduce(s) {unknown}: choose from "
+                         f"{[*ALLREDUCES, *RANK_ALLREDUCES]}")
+    return launch(allreduce_sweep_on_rank, list(numels), repeats, list(names),
+                  world_size=world_size, backend=backend, timeout=timeout)[0]
+
+
+STATISTICS: dict[str, Callable[[list[float]], float]] = {"min": min, "median": statistics.median}
+
+
+def per_size(samples: dict[str, dict[int, list[float]]],
+             statistic: str = "min") -> dict[str, dict[int, float]]:
+    """One figure per allreduce and size: "min", the fastest call (timeit's convention: what
+    the algorithm costs, the slower calls add interference), or "median" (a typical call)."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {tuple(STATISTICS)}, got {statistic!r}")
+    return {name: {n: STATISTICS[statistic](ts) for n, ts in by_numel.items()}
+            for name, by_numel in samples.items()}
 
 
 def copy_bound_busbw(nbytes: int, copy_seconds: float) -> float:
@@ -73,15 +100,16 @@ def copy_bound_busbw(nbytes: int, copy_seconds: float) -> float:
 def memcpy_bound(nbytes: int = 64 * MIB, world_size: int = 2, repeats: int = 5,
                  timeout: float = 60.0) -> float:
     """Bus-bandwidth bound (bytes/s) from world_size processes each copying nbytes (float32)
-    with Tensor.copy_ at the same time, barrier-synchronised; the slowest rank's median."""
+    with Tensor.copy_ at the same time, barrier-synchronised; the fastest of the repeats (each
+    the slowest rank's time)."""
     numel = nbytes // 4
     seconds = launch(allreduce_sweep_on_rank, [numel], repeats, [], world_size=world_size,
                      backend="gloo", timeout=timeout)[0][MEMCPY][numel]
-    return copy_bound_busbw(4 * numel, seconds)
+    return copy_bound_busbw(4 * numel, min(seconds))
 
 
 def sweep_busbw(seconds: dict[str, dict[int, float]], world_size: int) -> dict[str, dict]:
-    """The sweep's seconds as bus bandwidth (bytes/s): nccl-tests' convention for the
+    """The sweep's seconds (per_size) as bus bandwidth (bytes/s): nccl-tests' convention for the
     allreduces, copy_bound_busbw for "memcpy"."""
     return {name: {n: copy_bound_busbw(4 * n, t) if name == MEMCPY
                    else bus_bandwidth(4 * n, t, world_size) for n, t in by_numel.items()}

@@ -52,16 +52,16 @@ def slowest_rank(seconds: list[float]) -> list[float]:
 
 # --- allreduce: dist.all_reduce, p2p.allreduce, p2p.ring_allreduce ---------------------------
 
-def round_robin_seconds(cases: dict[str, Callable[[torch.Tensor], object]], numels: list[int],
-                        repeats: int) -> dict[str, dict[int, float]]:
-    """Median seconds per call of each case on a float32 tensor of each numel (filled with 1
-    before each call, untimed: the sum stays small), the cases alternated, a barrier before
-    each call, after one warm-up call each (connections, buffers, caches); the slowest rank's
-    time."""
-    order = [(name, n) for n in numels for _ in range(repeats) for name in cases]
+def round_robin_samples(cases: dict[str, Callable[[torch.Tensor], object]], numels: list[int],
+                        repeats: int) -> dict[str, dict[int, list[float]]]:
+    """Seconds of each of repeats calls of each case on a float32 tensor of each numel (on
+    this rank's device, filled with 1 before each call, untimed: the sum stays small), the
+    cases alternated, a barrier before each call, after one warm-up call each (connections,
+    buffers, caches); each call's time is the slowest rank's."""
+    device = rank_device()
     seconds = []
     for n in numels:
-        x = torch.empty(n)
+        x = torch.empty(n, device=device)
         for fn in cases.values():
             fn(x.fill_(1.0))
         for _ in range(repeats):
@@ -70,9 +70,23 @@ def round_robin_seconds(cases: dict[str, Callable[[torch.Tensor], object]], nume
                 dist.barrier()
                 start = time.perf_counter()
                 fn(x)
+                if x.is_cuda:
+                    torch.cuda.synchronize()
                 seconds.append(time.perf_counter() - start)
-    median = medians(order, slowest_rank(seconds))
-    return {name: {n: median[name, n] for n in numels} for name in cases}
+    calls = iter(slowest_rank(seconds))
+    samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in numels} for name in cases}
+    for n in numels:
+        for _ in range(repeats):
+            for name in cases:
+                samples[name][n].append(next(calls))
+    return samples
+
+
+def round_robin_seconds(cases: dict[str, Callable[[torch.Tensor], object]], numels: list[int],
+                        repeats: int) -> dict[str, dict[int, float]]:
+    """The median of round_robin_samples for each case and numel."""
+    return {name: {n: statistics.median(ts) for n, ts in by_numel.items()}
+            for name, by_numel in round_robin_samples(cases, numels, repeats).items()}
 
 
 def allreduce_seconds_on_rank(numels: list[int], repeats: int) -> dict[str, dict[int, float]]:

@@ -4,6 +4,7 @@ Only shapes and invariants are checked (keys, positive finite numbers, overlap w
 [0, 1]): speeds depend on the machine and its load, and are printed, never asserted. Each
 driver starts processes (seconds each), so every one runs once, on the smallest case.
 """
+import csv
 import json
 import math
 
@@ -42,17 +43,34 @@ def scaled() -> dict:
     return performance.scaling(worlds=(1, 2), steps=1, batch_size=8, repeats=1, timeout=60)
 
 
-def test_allreduce_sweep_times_every_allreduce_and_the_copy_at_every_size(sweep):
+def test_allreduce_sweep_times_every_call_of_every_allreduce_and_the_copy_at_every_size(sweep):
     assert list(sweep) == ALLREDUCE_NAMES
     for by_numel in sweep.values():
-        assert_positive(by_numel, NUMELS)
+        assert list(by_numel) == NUMELS
+        for calls in by_numel.values():
+            assert len(calls) == 1  # repeats=1
+            assert_positive(dict(enumerate(calls)), [0])
+
+
+def test_allreduce_sweep_rejects_an_unknown_allreduce_before_starting_processes():
+    with pytest.raises(ValueError, match="unknown allreduce.*'tree'"):
+        performance.allreduce_sweep(names=["tree"])
+
+
+def test_per_size_takes_the_fastest_or_the_median_call():
+    samples = {"gloo": {1024: [0.004, 0.0003, 0.0035], 4096: [0.001, 0.002]}}
+    assert performance.per_size(samples) == {"gloo": {1024: 0.0003, 4096: 0.001}}
+    assert performance.per_size(samples, "median") == {"gloo": {1024: 0.0035, 4096: 0.0015}}
+    with pytest.raises(ValueError, match="statistic must be one of"):
+        performance.per_size(samples, "mean")
 
 
 def test_sweep_busbw_uses_nccl_tests_for_allreduces_and_bytes_per_second_for_the_copy(sweep):
-    busbw = performance.sweep_busbw(sweep, 4)  # 4 ranks: 2(w-1)/w = 1.5, not 1
+    seconds = performance.per_size(sweep)
+    busbw = performance.sweep_busbw(seconds, 4)  # 4 ranks: 2(w-1)/w = 1.5, not 1
     n = NUMELS[-1]
-    assert busbw["shm"][n] == 1.5 * (4 * n) / sweep["shm"][n]
-    assert busbw["memcpy"][n] == 4 * n / sweep["memcpy"][n]
+    assert busbw["shm"][n] == 1.5 * (4 * n) / seconds["shm"][n]
+    assert busbw["memcpy"][n] == 4 * n / seconds["memcpy"][n]
 
 
 def test_copy_bound_is_bytes_over_seconds():
@@ -130,9 +148,16 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
         list(throughput.DDP_VARIANTS), 1.0))
     monkeypatch.setattr(bench, "compare_processes_and_threads", lambda **k: dict.fromkeys(
         ["1 process x 2 threads", "2 processes x 1 thread"], 1.0))
-    path = tmp_path / "bench.json"
-    bench.main(["--quick", "--repeats", "1", "--batch-size", "8", "--json", str(path)])
+    path, table = tmp_path / "bench.json", tmp_path / "sweep.csv"
+    bench.main(["--quick", "--repeats", "1", "--batch-size", "8", "--json", str(path),
+                "--csv", str(table)])
     figures = json.loads(path.read_text())
+    rows = list(csv.DictReader(table.open()))
+    assert len(rows) == 2 * len(ALLREDUCE_NAMES) * len(NUMELS)  # 2 and 4 processes
+    row = rows[-1]
+    assert (row["processes"], row["implementation"], row["bytes"]) == ("4", "memcpy",
+                                                                      str(4 * NUMELS[-1]))
+    assert float(row["fastest_s"]) == sweep["memcpy"][NUMELS[-1]][0]
     assert figures["quick"] is True
     for section in ("forward_backward_s", "train_batch_s", "simulated_allreduce", "allreduce_s",
                     "chapter_07", "chapter_08"):

@@ -1,0 +1,53 @@
+"""Functions tests/test_shm_steps.py runs on every rank with ``launch``."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from ._workers import mapped_segments, no_collectives, own_segments, shm_input
+from .shm import SharedMemoryAllreduce
+from .shm_steps import SHM_STEPS, PlainBarriers, SpinCounters
+
+STEP_CLASSES = (PlainBarriers, SpinCounters, SharedMemoryAllreduce)
+
+
+def seed_rank(rank: int, call: int) -> int:
+    """The rank shm_input is seeded with on a repeated call (the test rebuilds the inputs)."""
+    return rank + 100 * call
+
+
+def sum_cases(allreduce, cases: list[tuple], passes: int, gloo_free: bool) -> list[dict]:
+    """Each case (numel, dtype, transposed) summed by allreduce, passes times in turn (new
+    inputs each pass), next to dist.all_reduce's sum; gloo_free: every collective forbidden."""
+    rank, records = dist.get_rank(), []
+    for call in range(passes):
+        for numel, dtype, transposed in cases:
+            x = shm_input(seed_rank(rank, call), numel, dtype, transposed)
+            expected = x.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(expected)
+            with no_collectives() if gloo_free else nullcontext():
+                returned = allreduce(x)
+            records.append({"case": (numel, dtype, transposed), "call": call, "result": x,
+                            "expected": expected, "returned_input": returned is x})
+    return records
+
+
+def steps_against_all_reduce(cases: list[tuple], max_bytes: int, passes: int,
+                             factory_cases: list[tuple]) -> dict:
+    """Every step class built with max_bytes sums the cases (sum_cases, one object each);
+    then every SHM_STEPS factory sums factory_cases. Also the segment files and mappings."""
+    records, files_while_open, built = {}, [], {}
+    for cls in STEP_CLASSES:
+        with cls(max_bytes) as step:
+            files_while_open += own_segments()
+            records[cls.__name__] = sum_cases(step.allreduce, cases, passes,
+                                              gloo_free=cls is not PlainBarriers)
+    for label, factory in SHM_STEPS.items():
+        with factory() as step:
+            built[label] = {"type": type(step).__name__,
+                            "buffer_bytes": step.world * step.region_bytes,
+                            "records": sum_cases(step.allreduce, factory_cases, 1, False)}
+    return {"records": records, "factories": built, "files_while_open": files_while_open,
+            "mapped_after_close": mapped_segments()}
