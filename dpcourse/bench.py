@@ -171,11 +171,11 @@ def bench_processes(repeats: int, sweeps: dict[int, dict], steps: int, figures: 
     print(f"  ScratchDDP/torch DDP {verdict(ddp['ScratchDDP'] / ddp['torch DDP'], 0.95)}; "
           f"with our ring x{ddp['ScratchDDP, ring'] / ddp['torch DDP']:.2f}")
     pt = compare_processes_and_threads(steps=steps, repeats=rounds, timeout=300)
-    threads, processes = pt["1 process x 2 threads"], pt["2 processes x 1 thread"]
+    threads = pt["1 process x 2 threads"]
     print(f"LeNet training, 256 images per step, {steps} steps (median of {rounds} rounds): "
-          f"1 process x 2 threads {threads:.0f} images/s, 2 processes x 1 thread (torch DDP) "
-          f"{processes:.0f} images/s")
-    print(f"  2 processes / 1 process {verdict(processes / threads, 1.3)}")
+          + ", ".join(f"{name} {rate:.0f} images/s" for name, rate in pt.items()))
+    for name in ("2 processes x 1 thread", "2 processes x 1 thread, shm"):
+        print(f"  {name} / 1 process x 2 threads {verdict(pt[name] / threads, 1.3)}")
     figures.update({"ddp_images_per_s": ddp, "processes_and_threads_images_per_s": pt})
 
 

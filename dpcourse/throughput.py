@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 from typing import Callable
 
 import torch
@@ -201,12 +202,14 @@ def gpu_scaling(steps: int = 50, batch_size: int = 128, timeout: float = 120.0) 
 def processes_and_threads_on_rank(steps: int, global_batch: int,
                                   repeats: int) -> dict[str, float]:
     """Global images/s of LeNet training, alternately: rank 0 alone on global_batch images
-    with 2 threads while rank 1 sleeps in a barrier, then both ranks with torch's DDP on
-    global_batch/2 images each, 1 thread each; repeats rounds (median), after a warm-up."""
+    with 2 threads while rank 1 sleeps in a barrier, then both ranks on global_batch/2 images
+    each, 1 thread each, with torch's DDP, then with ScratchDDP over shared memory; repeats
+    rounds (median), after a warm-up."""
     rank = dist.get_rank()
     alone = train_step_fn(lenet_model(), global_batch, seed=0)
-    together = train_step_fn(nn.parallel.DistributedDataParallel(
-        lenet_model()), global_batch // 2, seed=rank)
+    together = {name: train_step_fn(model, global_batch // 2, seed=rank) for name, model in (
+        ("2 processes x 1 thread", nn.parallel.DistributedDataParallel(lenet_model())),
+        ("2 processes x 1 thread, shm", ScratchDDP(lenet_model(), shm=True)))}
 
     def one_process(n: int) -> float:  # rank 1 waits in the barrier that follows
         torch.set_num_threads(2)
@@ -215,10 +218,8 @@ def processes_and_threads_on_rank(steps: int, global_batch: int,
         dist.barrier()
         return seconds
 
-    def two_processes(n: int) -> float:
-        return timed_steps(together, n)
-
-    cases = {"1 process x 2 threads": one_process, "2 processes x 1 thread": two_processes}
+    cases = {"1 process x 2 threads": one_process,
+             **{name: partial(timed_steps, step) for name, step in together.items()}}
     for case in cases.values():
         case(WARMUP_STEPS)
     order = [name for _ in range(repeats) for name in cases]
@@ -229,8 +230,9 @@ def processes_and_threads_on_rank(steps: int, global_batch: int,
 def compare_processes_and_threads(steps: int = 20, global_batch: int = 256, repeats: int = 3,
                                   timeout: float = 120.0) -> dict[str, float]:
     """LeNet images/s of "1 process x 2 threads" (global_batch images per step) against
-    "2 processes x 1 thread" (torch's DDP, global_batch/2 images each), measured in one
-    launch of 2 processes, the two alternated in repeats rounds (median).
+    "2 processes x 1 thread" (torch's DDP, global_batch/2 images each) and "2 processes x 1
+    thread, shm" (ScratchDDP with chapter 08's shared-memory allreduce), measured in one
+    launch of 2 processes, alternated in repeats rounds (median).
 
     One launch rather than one per configuration: starting processes takes seconds, and
     rounds within one launch compare the two under the same machine load. While rank 0

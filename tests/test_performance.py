@@ -147,7 +147,8 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
     monkeypatch.setattr(bench, "compare_ddp", lambda **k: dict.fromkeys(
         list(throughput.DDP_VARIANTS), 1.0))
     monkeypatch.setattr(bench, "compare_processes_and_threads", lambda **k: dict.fromkeys(
-        ["1 process x 2 threads", "2 processes x 1 thread"], 1.0))
+        ["1 process x 2 threads", "2 processes x 1 thread", "2 processes x 1 thread, shm"],
+        1.0))
     path, table = tmp_path / "bench.json", tmp_path / "sweep.csv"
     bench.main(["--quick", "--repeats", "1", "--batch-size", "8", "--json", str(path),
                 "--csv", str(table)])
