@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from . import performance
+from . import memory, performance
 from .collectives import allreduce, get_params
 from .cost_model import AlphaBeta, best_bucket_size, fit_alpha_beta, relative_errors
 from .hardware import devices, synchronize
@@ -138,6 +138,7 @@ ANATOMY_BATCH = {"lenet": 64, "resnet18": 16}
 BUCKET_BATCH = 16
 SCALING_BATCH = 128
 FIT_FROM, FIT_TO = 64 * 2**10, 64 * 2**20  # bytes: the range the issue's 30% goal covers
+ZERO_BATCH = 64
 SHM_DDP_BATCHES = (16, 128)  # images per process
 NEAR_BEST = 1.05  # bucket caps whose step is within 5% of the best are printed as ties
 
@@ -333,6 +334,22 @@ def write_sweep_csv(path: Path, sweeps: dict[int, dict[str, dict[int, list[float
                                   busbw[name][n] / 1e9])
 
 
+def bench_zero(sizes: Sizes, figures: dict) -> None:
+    """Chapter 09: per-rank optimizer state and step time of DDP, ZeRO-1 and ZeRO-2 (AdamW)."""
+    rounds = max(3, sizes.repeats // 4)
+    r = memory.compare_zero(2, sizes.ddp_steps, ZERO_BATCH, rounds, timeout=300)
+    figures.update(r)
+    print(f"\nChapter 09, LeNet with AdamW, 2 processes x {ZERO_BATCH} images, "
+          f"{sizes.ddp_steps} steps (median of {rounds} rounds): optimizer state and "
+          "gradients per rank, seconds per step")
+    for stage, f in r.items():
+        state = " + ".join(size_label(b) for b in f["optimizer_state_bytes"])
+        grads = " + ".join(size_label(b) for b in f["gradient_bytes"])
+        print(f"  {stage:5s}: state {state:>21s}, gradients {grads:>21s}, "
+              f"{f['seconds_per_step'] * 1e3:6.1f} ms per step "
+              f"(x{f['seconds_per_step'] / r['ddp']['seconds_per_step']:.2f} of ddp's)")
+
+
 class Laps(dict):
     """Seconds each section of the benchmark took, by name, in order."""
 
@@ -412,6 +429,8 @@ def main(argv: list[str] | None = None) -> dict:
     bench_processes(sizes.repeats, sweeps, sizes.ddp_steps, figures.setdefault("chapter_07", {}))
     laps.lap("chapter 07 training")
     bench_chapter_08(sizes, sweeps, figures.setdefault("chapter_08", {}), laps)
+    bench_zero(sizes, figures.setdefault("chapter_09", {}))
+    laps.lap("chapter 09")
     print(f"\nThe benchmark took {sum(laps.values()):.0f} s: "
           + ", ".join(f"{name} {t:.0f} s" for name, t in laps.items()))
     if args.json is not None:

@@ -1,10 +1,14 @@
-"""Chapter 07: DistributedDataParallel built by hand.
+"""Chapter 07: DistributedDataParallel built by hand (and chapter 09's ZeRO-2 option).
 
 ``ScratchDDP(module)`` is a drop-in for ``torch.nn.parallel.DistributedDataParallel`` on the
 loop ``out = model(x); loss.backward(); opt.step()``: rank 0's parameters and buffers are
 broadcast at construction, and gradients are averaged across ranks in buckets whose
 allreduce starts, asynchronously, as soon as the bucket's last gradient is ready - while
 backward goes on. When ``backward()`` returns, every gradient is synchronised.
+
+Chapter 09: after ``ddp.shard_gradients(opt)`` (opt a ``zero.ShardedOptimizer``) each bucket
+is reduce-scattered instead of all-reduced (ZeRO-2): each rank keeps only the averaged
+gradients of the parameters it owns.
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ class Bucket:
     flat: torch.Tensor | None = None
     work: Any = None  # a torch.distributed Work, or a Future of the helper thread
     times: dict[str, float] = field(default_factory=dict)
+    chunks: list[list[nn.Parameter]] | None = None  # ZeRO-2: the parameters each rank owns
 
 
 class ScratchDDP(nn.Module):
@@ -131,6 +136,22 @@ class ScratchDDP(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    def shard_gradients(self, optimizer: Any) -> None:
+        """ZeRO-2: from now on reduce-scatter each bucket to the ranks owning its parameters.
+
+        optimizer: a zero.ShardedOptimizer over this module's parameters. Each bucket is laid
+        out owner by owner and dist.reduce_scatter sends rank r the sum of its piece: the
+        reduce-scatter half of an allreduce, (w-1)/w of the bucket per rank on a ring. A rank
+        keeps the averaged gradients of its own parameters; the others' become None.
+        """
+        if self._allreduce is not None:
+            raise ValueError("shard_gradients uses dist.reduce_scatter: build ScratchDDP "
+                             "without ring=True or shm=True")
+        for bucket in self.buckets:
+            owners = [optimizer.owner(p) for p in bucket.params]
+            bucket.chunks = [[p for p, o in zip(bucket.params, owners) if o == r]
+                             for r in range(self.world)]
+
     def timeline(self) -> list[tuple[int, float, float]]:
         """(bucket, launched, finished) of the last synchronised backward, perf_counter s."""
         return [(i, b.times["launched"], b.times["finished"])
@@ -160,6 +181,8 @@ class ScratchDDP(nn.Module):
         """Start averaging bucket i (a parameter without gradient counts as zeros)."""
         bucket = self.buckets[i]
         self._next = i + 1
+        if bucket.chunks is not None:  # chapter 09's ZeRO-2 (shard_gradients)
+            return _launch_reduce_scatter(bucket, self.world)
         with torch.no_grad():
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
                               .reshape(-1) for p in bucket.params])
@@ -184,7 +207,8 @@ class ScratchDDP(nn.Module):
             else:
                 bucket.work.wait()
                 bucket.times.setdefault("finished", time.perf_counter())
-            _write_grads(bucket.params, bucket.flat)
+            _write_grads(bucket.params if bucket.chunks is None
+                         else bucket.chunks[dist.get_rank()], bucket.flat)
             bucket.flat = bucket.work = None
         self._syncing = False
 
@@ -194,6 +218,26 @@ def _timed(fn: Any, tensor: torch.Tensor, times: dict[str, float]) -> Any:
     out = fn(tensor)
     times["finished"] = time.perf_counter()
     return out
+
+
+@torch.no_grad()
+def _launch_reduce_scatter(bucket: Bucket, world: int) -> None:
+    """ZeRO-2: start summing each rank's piece of the bucket (divided by world) onto that
+    rank; free the gradients of the parameters other ranks own."""
+    pieces = [_flat_grads(chunk, bucket.params[0]).div_(world) for chunk in bucket.chunks]
+    bucket.flat = torch.empty_like(pieces[dist.get_rank()])
+    bucket.times["launched"] = time.perf_counter()
+    bucket.work = dist.reduce_scatter(bucket.flat, pieces, async_op=True)
+    for rank, chunk in enumerate(bucket.chunks):
+        if rank != dist.get_rank():
+            for p in chunk:
+                p.grad = None
+
+
+def _flat_grads(params: list[nn.Parameter], like: torch.Tensor) -> torch.Tensor:
+    """The gradients of params (zeros where missing) as one vector of like's dtype."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params] or [like.new_zeros(0)])
 
 
 @torch.no_grad()

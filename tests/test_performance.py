@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from dpcourse import bench, performance, throughput
+from dpcourse import bench, memory, performance, throughput
 
 ALLREDUCE_NAMES = ["dist.all_reduce", "p2p.allreduce", "p2p.ring_allreduce", "shm", "memcpy"]
 NUMELS = [10, 16384, 65536]  # the last two: 64 KiB and 256 KiB, the fitted range's start
@@ -149,6 +149,9 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
     monkeypatch.setattr(bench, "compare_processes_and_threads", lambda **k: dict.fromkeys(
         ["1 process x 2 threads", "2 processes x 1 thread", "2 processes x 1 thread, shm"],
         1.0))
+    zero = {stage: {"seconds_per_step": 0.01, "optimizer_state_bytes": [8, 4],
+                    "gradient_bytes": [4, 2]} for stage in ("ddp", "zero1", "zero2")}
+    monkeypatch.setattr(memory, "compare_zero", lambda *a, **k: zero)
     path, table = tmp_path / "bench.json", tmp_path / "sweep.csv"
     bench.main(["--quick", "--repeats", "1", "--batch-size", "8", "--json", str(path),
                 "--csv", str(table)])
@@ -161,8 +164,9 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
     assert float(row["fastest_s"]) == sweep["memcpy"][NUMELS[-1]][0]
     assert figures["quick"] is True
     for section in ("forward_backward_s", "train_batch_s", "simulated_allreduce", "allreduce_s",
-                    "chapter_07", "chapter_08"):
+                    "chapter_07", "chapter_08", "chapter_09"):
         assert figures[section], section
+    assert figures["chapter_09"] == zero
     assert set(figures["allreduce_s"]) == {"2", "4"}
     ch08 = figures["chapter_08"]
     assert set(ch08) >= {"alpha_beta", "anatomy", "buckets", "scaling"}

@@ -1,0 +1,169 @@
+"""Chapter 09: ZeRO stage 1 by hand - each rank keeps and steps one shard of the optimizer.
+
+``ShardedOptimizer(params, torch.optim.AdamW, lr=...)`` is used where a plain optimizer
+would be, once the gradients are the same on every rank (after ``ScratchDDP``, torch's DDP,
+or identical inputs). The parameters are split among the ranks with balanced sizes; each
+rank builds the real optimizer over its own shard only, so it holds only that shard's state
+(Adam's two moments), steps only that shard, and then every owner broadcasts its updated
+parameters, so that all ranks end each step with the same parameters as the plain
+optimizer's.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def partition(sizes: list[int], world_size: int, loads: list[int] | None = None) -> list[int]:
+    """The rank owning each item: largest first, each to the least loaded rank (lowest
+    rank on ties), starting from loads (numels already owned; zeros by default).
+
+    Deterministic, so every rank computes the same split; greedy ("longest processing time
+    first"), so from equal loads the largest and smallest differ by at most the largest item.
+    """
+    loads = list(loads) if loads is not None else [0] * world_size
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties in order
+        owners[i] = min(range(world_size), key=lambda r: loads[r])
+        loads[owners[i]] += sizes[i]
+    return owners
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1: optimizer_cls(**defaults) over this rank's shard of params only.
+
+    Needs the default process group, and gradients already equal on every rank. Whole
+    parameters are shared out (partition; a repeated parameter counts once), so the shards
+    are as even as the tensor sizes allow. ``param_groups`` holds every parameter and
+    hyperparameter (schedulers work as usual); ``optim`` is this rank's optimizer_cls over
+    its shard and ``state`` its state. Parameters without a gradient are skipped, as torch's
+    optimizers skip them. After stepping, each rank broadcasts its shard as one flat buffer
+    per dtype, so every rank receives the parameters it does not own: the volume of an
+    all-gather, without padding the shards to equal sizes as dist.all_gather_into_tensor needs.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
+                 **defaults: Any) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedOptimizer needs the default process group: build it in "
+                               "a function run by dpcourse.launch.launch")
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls,
+                                                               torch.optim.Optimizer)):
+            raise TypeError("optimizer_cls must be a torch.optim.Optimizer subclass such as "
+                            f"torch.optim.AdamW, got {optimizer_cls!r}")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._owners: dict[nn.Parameter, int] = {}
+        self._loads = [0] * self.world  # numel owned by each rank
+        super().__init__(params, defaults)  # calls add_param_group for each group
+        self.optim = optimizer_cls(
+            [self._local_group(g) for g in self.param_groups], **defaults)
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            group.update({k: v for k, v in local.items() if k != "params"})  # class defaults
+        self.state = self.optim.state
+
+    def owner(self, param: torch.Tensor) -> int:
+        """The rank that keeps param's optimizer state and steps it."""
+        if param not in self._owners:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} is not one of this "
+                             "optimizer's parameters")
+        return self._owners[param]
+
+    def shard(self, rank: int | None = None) -> list[nn.Parameter]:
+        """The parameters rank (default: this one) owns, in param_groups order."""
+        rank = self.rank if rank is None else rank
+        return [p for g in self.param_groups for p in g["params"] if self._owners[p] == rank]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group: its parameters are shared out among the ranks, the others keep theirs."""
+        param_group = dict(param_group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        param_group["params"] = list(dict.fromkeys(params))  # a tied parameter once
+        super().add_param_group(param_group)
+        new = self.param_groups[-1]["params"]
+        owners = partition([p.numel() for p in new], self.world, self._loads)
+        for p, rank in zip(new, owners):
+            self._owners[p] = rank
+            self._loads[rank] += p.numel()
+        if hasattr(self, "optim"):  # after __init__: the local optimizer gets the group too
+            self.optim.add_param_group(self._local_group(self.param_groups[-1]))
+            self.param_groups[-1].update(
+                {k: v for k, v in self.optim.param_groups[-1].items() if k != "params"})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Step this rank's shard, then give every rank every owner's updated parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            local.update({k: v for k, v in group.items() if k != "params"})  # e.g. a new lr
+        self.optim.step()
+        self._share_parameters()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state, as a plain optimizer_cls over all params would give it (tensors on
+        the CPU), on every rank: a collective, so every rank must call it."""
+        index = {p: i for i, p in enumerate(self._all_params())}
+        own = {index[p]: {k: v.cpu() if isinstance(v, torch.Tensor) else v
+                          for k, v in self.state[p].items()}
+               for p in self.shard() if p in self.state}
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, own)
+        state = {i: s for part in everyone for i, s in part.items()}
+        groups = [{**group, "params": [index[p] for p in group["params"]]}
+                  for group in self.param_groups]
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state (from state_dict(), or a plain optimizer's) given on every rank;
+        each rank keeps its own shard's part."""
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the loaded state's parameter groups do not match this "
+                             "optimizer's (number of groups or of parameters per group)")
+        params = self._all_params()
+        local: dict[str, Any] = {"state": {}, "param_groups": []}
+        for saved, group in zip(groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            mine = [i for i in saved["params"] if self._owners[params[i]] == self.rank]
+            start = sum(len(g["params"]) for g in local["param_groups"])
+            local["param_groups"].append({**saved, "params": list(range(start,
+                                                                         start + len(mine)))})
+            for j, i in enumerate(mine, start):
+                if i in state_dict["state"]:
+                    local["state"][j] = state_dict["state"][i]
+        self.optim.load_state_dict(local)
+        self.state = self.optim.state
+
+    # --- helpers ---
+
+    def _all_params(self) -> list[nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _local_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        """group restricted to the parameters this rank owns (possibly none)."""
+        return {**group, "params": [p for p in group["params"]
+                                    if self._owners[p] == self.rank]}
+
+    def _share_parameters(self) -> None:
+        """Every rank in turn broadcasts its shard, one flat buffer per dtype (same order on
+        every rank: owners and parameters are the same everywhere)."""
+        if self.world == 1:
+            return
+        for rank in range(self.world):
+            shard = self.shard(rank)
+            for dtype in dict.fromkeys(p.dtype for p in shard):
+                params = [p for p in shard if p.dtype == dtype]
+                flat = torch.cat([p.detach().reshape(-1) for p in params])  # others: overwritten
+                dist.broadcast(flat, src=rank)
+                if rank != self.rank:
+                    offset = 0
+                    for p in params:
+                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
