@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+import math
+import tempfile
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Container, Iterator
 
 import torch
 import torch.distributed as dist
@@ -10,6 +13,7 @@ from torch import nn
 
 from ._workers import tied_net
 from .ddp import ScratchDDP
+from .memory import measured_bytes
 from .zero import ShardedOptimizer
 
 STEPS = 10
@@ -19,6 +23,9 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "Adam": (torch.optim.Adam, {"lr": 0.01}),
     "AdamW": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
 }
+STAGES = ("ddp", "zero1", "zero2")
+ACCUMULATIONS = {"both synchronised": (True, True), "no_sync first": (False, True),
+                 "no_sync between": (True, False, True)}  # which micro-batches synchronise
 
 
 def tiny_net(seed: int) -> nn.Module:
@@ -27,7 +34,13 @@ def tiny_net(seed: int) -> nn.Module:
     return nn.Linear(6, 8, bias=False).double()
 
 
-MODELS: dict[str, Callable[[int], nn.Module]] = {"tied": tied_net, "tiny": tiny_net}
+def tied_net32(seed: int) -> nn.Module:
+    """TiedNet in float32."""
+    return tied_net(seed).float()
+
+
+MODELS: dict[str, Callable[[int], nn.Module]] = {"tied": tied_net, "tiny": tiny_net,
+                                                 "tied32": tied_net32}
 
 
 def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,10 +51,13 @@ def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch
     return x, y
 
 
-def backward(model: nn.Module, step: int, rank: int = 0, world: int = 1) -> None:
-    """Mean squared error of model on its share of step's batch, then backward."""
-    x, y = batch(step, rank, world)
-    kwargs = {"use_sometimes": step != UNUSED_STEP} if _is_tied(model) else {}
+def backward(model: nn.Module, step: int, rank: int = 0, world: int = 1,
+             unused: Container[int] = (UNUSED_STEP,)) -> None:
+    """Mean squared error of model on its share of step's batch (in the model's dtype), then
+    backward; TiedNet.sometimes gets no gradient in the steps in unused."""
+    dtype = next(model.parameters()).dtype
+    x, y = (t.to(dtype) for t in batch(step, rank, world))
+    kwargs = {"use_sometimes": step not in unused} if _is_tied(model) else {}
     nn.functional.mse_loss(model(x, **kwargs), y).backward()
 
 
@@ -51,15 +67,28 @@ def _is_tied(model: nn.Module) -> bool:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int = 0,
-          world: int = 1) -> list[torch.Tensor]:
-    """steps training steps; the flat parameters after each."""
+          world: int = 1, unused: Container[int] = (UNUSED_STEP,),
+          scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+          ) -> list[torch.Tensor]:
+    """steps training steps (then scheduler.step() if given); the flat parameters after each."""
     after = []
     for step in steps:
         opt.zero_grad()
-        backward(model, step, rank, world)
+        backward(model, step, rank, world, unused)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         after.append(flat(model))
     return after
+
+
+def two_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """TiedNet's embed and sometimes layers (lr 0.05), the rest (weight decay 0.3)."""
+    first = ("embed.", "sometimes.")
+    return [{"params": [p for n, p in model.named_parameters() if n.startswith(first)],
+             "lr": 0.05},
+            {"params": [p for n, p in model.named_parameters() if not n.startswith(first)],
+             "weight_decay": 0.3}]
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -84,66 +113,101 @@ def sharded_against_plain(model_name: str, opt_name: str) -> dict:
 
 
 def state_dict_round_trip() -> dict:
-    """AdamW for 4 steps, sharded and plain; then each loads the other's state into a fresh
-    optimizer of the other kind, and all four go on for 4 steps."""
+    """AdamW with two groups for 4 steps (the sometimes layer unused: no state), sharded and
+    plain; then each loads the other's state into a fresh optimizer of the other kind, and
+    all four go on for 4 steps."""
     cls, kwargs = OPTIMIZERS["AdamW"]
     model, reference = tied_net(0), tied_net(0)
-    opt, plain = ShardedOptimizer(model.parameters(), cls, **kwargs), cls(
-        reference.parameters(), **kwargs)
-    train(model, opt, range(4))
-    train(reference, plain, range(4))
+    opt, plain = ShardedOptimizer(two_groups(model), cls, **kwargs), cls(
+        two_groups(reference), **kwargs)
+    train(model, opt, range(4), unused=range(4))
+    train(reference, plain, range(4), unused=range(4))
     # copies, as if saved to a file: load_state_dict may share the tensors it is given
     consolidated = copy.deepcopy(opt.state_dict())
     plain_state = copy.deepcopy(plain.state_dict())
     to_plain_model, to_sharded_model = copy.deepcopy(model), copy.deepcopy(reference)
-    to_plain = cls(to_plain_model.parameters(), lr=1.0)  # hyperparameters come with the state
+    to_plain = cls(two_groups(to_plain_model), lr=1.0)  # hyperparameters come with the state
     to_plain.load_state_dict(copy.deepcopy(consolidated))
-    to_sharded = ShardedOptimizer(to_sharded_model.parameters(), cls, lr=1.0)
+    to_sharded = ShardedOptimizer(two_groups(to_sharded_model), cls, lr=1.0)
     to_sharded.load_state_dict(copy.deepcopy(plain_state))
     return {"consolidated": consolidated, "plain_state": plain_state,
             "sharded": train(model, opt, range(4, 8))[-1],
             "plain": train(reference, plain, range(4, 8))[-1],
             "plain_from_sharded": train(to_plain_model, to_plain, range(4, 8))[-1],
             "sharded_from_plain": train(to_sharded_model, to_sharded, range(4, 8))[-1],
-            "lr_after_load": to_sharded.param_groups[0]["lr"]}
+            "lrs_after_load": [g["lr"] for g in to_sharded.optim.param_groups]}
 
 
-def add_param_group_check() -> dict:
-    """SGD with momentum on the embedding only for 3 steps, then the other parameters added
-    as a second group with their own lr for 3 steps: sharded against plain."""
-    runs, owners_before, owners_after = [], None, None
-    for sharded in (True, False):
+def scheduled_two_groups(opt_name: str) -> dict:
+    """STEPS steps with two groups (their own lr and weight decay) and StepLR dividing the
+    lr by 10 every 2 steps: sharded against plain, parameters after each step, and the lr
+    each of this rank's local groups had in the last step."""
+    cls, kwargs = OPTIMIZERS[opt_name]
+    runs = {}
+    for kind in ("sharded", "plain"):
+        model = tied_net(0)
+        opt = (ShardedOptimizer(two_groups(model), cls, **kwargs) if kind == "sharded"
+               else cls(two_groups(model), **kwargs))
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+        runs[kind] = train(model, opt, range(STEPS), scheduler=scheduler)
+        if kind == "sharded":
+            runs["local_lrs"] = [g["lr"] for g in opt.optim.param_groups]
+    return runs
+
+
+def add_param_group_check(opt_name: str) -> dict:
+    """opt_name on the embedding only for 3 steps, then the other parameters added as a
+    second group with their own lr for 3 steps: sharded against plain."""
+    cls, kwargs = OPTIMIZERS[opt_name]
+    out: dict[str, Any] = {}
+    for kind in ("sharded", "plain"):
         model = tied_net(0)
         first, rest = list(model.embed.parameters()), [
             p for n, p in model.named_parameters() if not n.startswith("embed.")]
-        cls, kwargs = OPTIMIZERS["SGD"]
-        opt = ShardedOptimizer(first, cls, **kwargs) if sharded else cls(first, **kwargs)
+        opt = ShardedOptimizer(first, cls, **kwargs) if kind == "sharded" else cls(first, **kwargs)
         train(model, opt, range(3))
-        if sharded:
-            owners_before = [opt.owner(p) for p in first]
+        owners_before = [opt.owner(p) for p in first] if kind == "sharded" else None
         opt.add_param_group({"params": rest, "lr": 0.05})
-        if sharded:
-            owners_after = [opt.owner(p) for p in first]
-            groups_lr = [g["lr"] for g in opt.optim.param_groups]
-        runs.append(train(model, opt, range(3, 6))[-1])
-    return {"sharded": runs[0], "plain": runs[1], "owners_before": owners_before,
-            "owners_after": owners_after, "local_lrs": groups_lr}
+        if kind == "sharded":
+            out.update(owners_before=owners_before, owners_after=[opt.owner(p) for p in first],
+                       local_lrs=[g["lr"] for g in opt.optim.param_groups])
+        out[kind] = train(model, opt, range(3, 6))[-1]
+    return out
 
 
-def zero2_against_zero1(bucket_cap_mb: float) -> dict:
-    """AdamW on a TiedNet initialised differently on every rank, with each rank's share of
+def frozen_balance() -> dict:
+    """A 1000-element frozen parameter and trainable ones of 600, 400, 300 and 200: the
+    numel of trainable parameters each rank owns."""
+    sizes, frozen = [1000, 600, 400, 300, 200], [True, False, False, False, False]
+    params = [nn.Parameter(torch.zeros(n), requires_grad=not f) for n, f in zip(sizes, frozen)]
+    opt = ShardedOptimizer(params, torch.optim.AdamW, lr=0.01)
+    return {"trainable_loads": [sum(p.numel() for p in opt.shard(r) if p.requires_grad)
+                                for r in range(dist.get_world_size())],
+            "largest_trainable": 600}
+
+
+def optimizer_for(stage: str, ddp: ScratchDDP) -> torch.optim.Optimizer:
+    """AdamW over ddp's parameters: plain ("ddp"), sharded ("zero1"), sharded with the
+    gradients reduce-scattered ("zero2")."""
+    cls, kwargs = OPTIMIZERS["AdamW"]
+    if stage == "ddp":
+        return cls(ddp.parameters(), **kwargs)
+    opt = ShardedOptimizer(ddp.parameters(), cls, **kwargs)
+    if stage == "zero2":
+        ddp.shard_gradients(opt)
+    return opt
+
+
+def zero2_against_zero1(bucket_cap_mb: float, model_name: str = "tied") -> dict:
+    """AdamW on model_name initialised differently on every rank, with each rank's share of
     the batches: plain AdamW after ScratchDDP, ZeRO-1 (ScratchDDP + ShardedOptimizer) and
     ZeRO-2 (the same, with shard_gradients); the gradients each holds after the last
-    backward."""
+    backward, and (bucket collectives, buckets)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cls, kwargs = OPTIMIZERS["AdamW"]
     out: dict[str, Any] = {}
-    for stage in ("ddp", "zero1", "zero2"):
-        ddp = ScratchDDP(tied_net(seed=rank), bucket_cap_mb)
-        opt = (cls(ddp.parameters(), **kwargs) if stage == "ddp"
-               else ShardedOptimizer(ddp.parameters(), cls, **kwargs))
-        if stage == "zero2":
-            ddp.shard_gradients(opt)
+    for stage in STAGES:
+        ddp = ScratchDDP(MODELS[model_name](rank), bucket_cap_mb)
+        opt = optimizer_for(stage, ddp)
         train(ddp, opt, range(STEPS - 1), rank, world)
         opt.zero_grad()
         backward(ddp, STEPS - 1, rank, world)
@@ -153,8 +217,51 @@ def zero2_against_zero1(bucket_cap_mb: float) -> dict:
         out[stage]["params"] = flat(ddp)
         if stage != "ddp":
             out[stage]["owners"] = [opt.owner(p) for p in params]
+        out[stage]["collectives"] = (ddp.allreduces, len(ddp.buckets))
     out["trainable"] = [p.requires_grad for p in params]
     return out
+
+
+def accumulation(synced: tuple[bool, ...], steps: int = 4) -> dict:
+    """steps steps of AdamW, each accumulating len(synced) micro-batches (those not synced
+    under no_sync; TiedNet.sometimes unused in one micro-batch of step 1), under each stage:
+    parameters after each step, and the gradients before the last step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for stage in STAGES:
+        ddp = ScratchDDP(tied_net(seed=rank), 0.0)
+        opt = optimizer_for(stage, ddp)
+        after = []
+        for step in range(steps):
+            opt.zero_grad()
+            for micro, sync in enumerate(synced):
+                with nullcontext() if sync else ddp.no_sync():
+                    x, y = batch(10 * step + micro, rank, world)
+                    prediction = ddp(x, use_sometimes=(step, micro) != (1, 0))
+                    nn.functional.mse_loss(prediction, y).backward()
+            grads = [None if p.grad is None else p.grad.clone() for p in ddp.parameters()]
+            opt.step()
+            after.append(flat(ddp))
+        out[stage] = {"params": after, "grads": grads,
+                      "owners": [opt.owner(p) for p in ddp.parameters()] if stage != "ddp"
+                      else None}
+    return out
+
+
+def clipping(stage: str, norm_type: float) -> dict:
+    """ShardedOptimizer.clip_grad_norm_ after a synchronised backward under stage ("zero1"
+    or "zero2"), and torch.nn.utils.clip_grad_norm_ on the same model under ScratchDDP
+    with all gradients: the total norms, and the gradients after clipping."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp, reference = ScratchDDP(tied_net(seed=rank)), ScratchDDP(tied_net(seed=rank))
+    opt = optimizer_for(stage, ddp)
+    backward(ddp, 0, rank, world)
+    backward(reference, 0, rank, world)
+    return {"ours": opt.clip_grad_norm_(0.05, norm_type),
+            "torch": nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type),
+            "grads": [None if p.grad is None else p.grad.clone() for p in ddp.parameters()],
+            "torch_grads": [p.grad for p in reference.parameters()],
+            "owned": [opt.owner(p) == rank for p in ddp.parameters()]}
 
 
 def against_torch_zero() -> dict:
@@ -163,10 +270,12 @@ def against_torch_zero() -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     cls, kwargs = OPTIMIZERS["AdamW"]
     model, reference = tied_net(0), tied_net(0)
-    ours = train(model, ShardedOptimizer(model.parameters(), cls, **kwargs), range(STEPS))
-    theirs = train(reference, ZeroRedundancyOptimizer(reference.parameters(), cls, **kwargs),
-                   range(STEPS))
-    return {"ours": ours[-1], "torch": theirs[-1]}
+    ours = ShardedOptimizer(model.parameters(), cls, **kwargs)
+    theirs = ZeroRedundancyOptimizer(reference.parameters(), cls, **kwargs)
+    return {"ours": train(model, ours, range(STEPS))[-1],
+            "torch": train(reference, theirs, range(STEPS))[-1],
+            "ours_bytes": measured_bytes(model, ours),
+            "torch_bytes": measured_bytes(reference, theirs)}
 
 
 def _error_of(fn: Callable[[], Any]) -> str | None:
@@ -183,23 +292,60 @@ def errors() -> dict:
     model = tied_net(0)
     opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     wrong = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
-    return {
+    ring = ScratchDDP(tied_net(0), ring=True)
+    plain = ScratchDDP(model)
+    out = {
         "class name": _error_of(lambda: ShardedOptimizer(model.parameters(), "AdamW")),
         "not an optimizer": _error_of(lambda: ShardedOptimizer(model.parameters(), nn.Linear)),
         "no parameters": _error_of(lambda: ShardedOptimizer([], torch.optim.SGD, lr=0.1)),
         "wrong state": _error_of(lambda: opt.load_state_dict(wrong)),
-        "ring": _error_of(lambda: ScratchDDP(tied_net(0), ring=True).shard_gradients(opt)),
+        "ring": _error_of(lambda: ring.shard_gradients(opt)),
         "other parameters": _error_of(lambda: ScratchDDP(tied_net(0)).shard_gradients(opt)),
+        "plain optimizer": _error_of(lambda: plain.shard_gradients(
+            torch.optim.SGD(model.parameters(), lr=0.1))),
     }
+    ring._executor.shutdown()  # the ring's helper thread
+    out["no_sync last"] = _error_of(no_sync_last)
+    return out
+
+
+def no_sync_last() -> None:
+    """ZeRO-2: a synchronised backward, then one under no_sync, then step()."""
+    ddp = ScratchDDP(tied_net(dist.get_rank()))
+    opt = optimizer_for("zero2", ddp)
+    backward(ddp, 0, dist.get_rank(), dist.get_world_size())
+    with ddp.no_sync():
+        backward(ddp, 1, dist.get_rank(), dist.get_world_size())
+    opt.step()
 
 
 def zero_checks(cases: list[tuple[str, str]], full: bool) -> dict:
     """Every check of tests/test_zero.py that needs a process group, in one launch; full:
-    also the state-dict, add_param_group, torch and error checks (rank-count independent)."""
+    also the state-dict, scheduler, add_param_group, torch and error checks (rank-count
+    independent)."""
     out: dict[str, Any] = {
         "sharded": [sharded_against_plain(m, o) for m, o in cases],
-        "zero2": {cap: zero2_against_zero1(cap) for cap in (25.0, 0.0)}}
+        "zero2": {cap: zero2_against_zero1(cap) for cap in (25.0, 0.0)},
+        "zero2_tiny": zero2_against_zero1(25.0, "tiny"),
+        "accumulation": {name: accumulation(synced) for name, synced in ACCUMULATIONS.items()},
+        "clipping": {(stage, norm): clipping(stage, norm) for stage in STAGES[1:]
+                     for norm in (2.0, math.inf)},
+        "frozen": frozen_balance()}
     if full:
-        out.update(round_trip=state_dict_round_trip(), add_group=add_param_group_check(),
+        out.update(round_trip=state_dict_round_trip(),
+                   scheduled={name: scheduled_two_groups(name) for name in ("Adam", "AdamW")},
+                   add_group={name: add_param_group_check(name) for name in ("SGD", "Adam")},
                    torch_zero=against_torch_zero(), errors=errors())
     return out
+
+
+@contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A default process group of this process alone (gloo), destroyed on exit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
+                                world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -8,11 +8,12 @@ backward goes on. When ``backward()`` returns, every gradient is synchronised.
 
 Chapter 09: after ``ddp.shard_gradients(opt)`` (opt a ``zero.ShardedOptimizer``) each bucket
 is reduce-scattered instead of all-reduced (ZeRO-2): each rank keeps only the averaged
-gradients of the parameters it owns.
+gradients of the parameters it owns (``GradientShards``).
 """
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from torch import nn
 
 from . import p2p
 from .shm import SharedMemoryAllreduce
+from .zero import ShardedOptimizer
 
 
 @torch.no_grad()
@@ -74,7 +76,6 @@ class Bucket:
     flat: torch.Tensor | None = None
     work: Any = None  # a torch.distributed Work, or a Future of the helper thread
     times: dict[str, float] = field(default_factory=dict)
-    chunks: list[list[nn.Parameter]] | None = None  # ZeRO-2: the parameters each rank owns
 
 
 class ScratchDDP(nn.Module):
@@ -110,7 +111,8 @@ class ScratchDDP(nn.Module):
         self._next = 0  # the next bucket to launch: buckets go in index order on every rank
         self._callback_queued = False
         self.launched_in_backward = 0  # buckets whose allreduce overlapped backward, last step
-        self.allreduces = 0  # bucket allreduces since construction
+        self.allreduces = 0  # bucket collectives since construction (ZeRO-2: reduce-scatters)
+        self.shards: GradientShards | None = None  # chapter 09's ZeRO-2 (shard_gradients)
         broadcast_parameters(module)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -136,24 +138,31 @@ class ScratchDDP(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    def shard_gradients(self, optimizer: Any) -> None:
+    def shard_gradients(self, optimizer: ShardedOptimizer) -> None:
         """ZeRO-2: from now on reduce-scatter each bucket to the ranks owning its parameters.
 
-        optimizer: a zero.ShardedOptimizer over this module's parameters. Each bucket is laid
-        out owner by owner and dist.reduce_scatter sends rank r the sum of its piece: the
-        reduce-scatter half of an allreduce, (w-1)/w of the bucket per rank on a ring. A rank
-        keeps the averaged gradients of its own parameters; the others' become None.
+        optimizer: the zero.ShardedOptimizer over this module's parameters. After each
+        synchronised backward a rank holds the averaged gradients of the parameters it owns;
+        the other gradients are None (for their norm: ShardedOptimizer.clip_grad_norm_). Each
+        bucket is laid out owner by owner and dist.reduce_scatter sends rank r the sum of its
+        piece: on a ring, (w-1)/w of the bucket per rank, half an allreduce's volume (that is
+        the algorithm's volume: gloo's reduce_scatter is not built that way and, on the CPU,
+        not faster than its allreduce). The memory saved is the gradients kept between steps:
+        during backward a bucket's full gradients and its pieces exist, as with DDP.
         """
+        if not isinstance(optimizer, ShardedOptimizer):
+            raise TypeError("shard_gradients needs a zero.ShardedOptimizer over this module's "
+                            f"parameters, got {type(optimizer).__name__}")
         if self._allreduce is not None:
             raise ValueError("shard_gradients uses dist.reduce_scatter: build ScratchDDP "
                              "without ring=True or shm=True")
-        for bucket in self.buckets:
-            owners = [optimizer.owner(p) for p in bucket.params]
-            bucket.chunks = [[p for p, o in zip(bucket.params, owners) if o == r]
-                             for r in range(self.world)]
+        self.shards = GradientShards(self.module, self.buckets, optimizer)
 
     def timeline(self) -> list[tuple[int, float, float]]:
-        """(bucket, launched, finished) of the last synchronised backward, perf_counter s."""
+        """(bucket, launched, finished) of the last synchronised backward, perf_counter s.
+
+        After shard_gradients, gloo's reduce_scatter has no future to note its end: there
+        "finished" is when the end of backward waited for it (an upper bound)."""
         return [(i, b.times["launched"], b.times["finished"])
                 for i, b in enumerate(self.buckets) if "finished" in b.times]
 
@@ -181,34 +190,35 @@ class ScratchDDP(nn.Module):
         """Start averaging bucket i (a parameter without gradient counts as zeros)."""
         bucket = self.buckets[i]
         self._next = i + 1
-        if bucket.chunks is not None:  # chapter 09's ZeRO-2 (shard_gradients)
-            return _launch_reduce_scatter(bucket, self.world)
-        with torch.no_grad():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                              .reshape(-1) for p in bucket.params])
-            flat.div_(self.world)  # as torch's DDP: divide first, then sum
-        bucket.flat = flat
         bucket.times["launched"] = time.perf_counter()
         self.allreduces += 1
+        if self.shards is not None:  # chapter 09's ZeRO-2
+            bucket.flat, bucket.work = _launch_reduce_scatter(self.shards.chunks[i], self.world)
+            return
+        bucket.flat = _flat_grads(bucket.params, bucket.params[0])
+        bucket.flat.div_(self.world)  # as torch's DDP: divide first, then sum
         if self._executor is not None:
-            bucket.work = self._executor.submit(_timed, self._allreduce, flat, bucket.times)
+            bucket.work = self._executor.submit(_timed, self._allreduce, bucket.flat,
+                                                bucket.times)
         else:
-            bucket.work = dist.all_reduce(flat, async_op=True)
+            bucket.work = dist.all_reduce(bucket.flat, async_op=True)
             bucket.work.get_future().add_done_callback(
                 lambda _, times=bucket.times: times.setdefault("finished", time.perf_counter()))
 
     def _finish(self) -> None:
         """End of backward: launch what is left (unused parameters), wait, write grads."""
-        while self._next < len(self.buckets):
-            self._launch(self._next)
-        for bucket in self.buckets:
+        while self._next < len(self.buckets):  # a parameter unused on every rank: zeros
+            self._launch(self._next)  # (as chapter 07 does; torch's DDP leaves it None)
+        for i, bucket in enumerate(self.buckets):
             if isinstance(bucket.work, Future):
                 bucket.work.result()
             else:
                 bucket.work.wait()
                 bucket.times.setdefault("finished", time.perf_counter())
-            _write_grads(bucket.params if bucket.chunks is None
-                         else bucket.chunks[dist.get_rank()], bucket.flat)
+            if self.shards is not None:
+                self.shards.write(i, bucket.flat)
+            else:
+                _write_grads(bucket.params, bucket.flat)
             bucket.flat = bucket.work = None
         self._syncing = False
 
@@ -221,21 +231,26 @@ def _timed(fn: Any, tensor: torch.Tensor, times: dict[str, float]) -> Any:
 
 
 @torch.no_grad()
-def _launch_reduce_scatter(bucket: Bucket, world: int) -> None:
-    """ZeRO-2: start summing each rank's piece of the bucket (divided by world) onto that
-    rank; free the gradients of the parameters other ranks own."""
-    pieces = [_flat_grads(chunk, bucket.params[0]).div_(world) for chunk in bucket.chunks]
-    bucket.flat = torch.empty_like(pieces[dist.get_rank()])
-    bucket.times["launched"] = time.perf_counter()
-    bucket.work = dist.reduce_scatter(bucket.flat, pieces, async_op=True)
-    for rank, chunk in enumerate(bucket.chunks):
-        if rank != dist.get_rank():
+def _launch_reduce_scatter(chunks: list[list[nn.Parameter]],
+                           world: int) -> tuple[torch.Tensor, Any]:
+    """ZeRO-2: start summing each rank's piece of a bucket (chunks[r]: the parameters rank r
+    owns), divided by world, onto that rank; free the gradients of the parameters other
+    ranks own. Returns (this rank's summed piece, the work)."""
+    rank = dist.get_rank()
+    like = next(p for chunk in chunks for p in chunk)
+    pieces = [_flat_grads(chunk, like).div_(world) for chunk in chunks]
+    flat = torch.empty_like(pieces[rank])
+    work = dist.reduce_scatter(flat, pieces, async_op=True)
+    for r, chunk in enumerate(chunks):
+        if r != rank:
             for p in chunk:
                 p.grad = None
+    return flat, work
 
 
+@torch.no_grad()
 def _flat_grads(params: list[nn.Parameter], like: torch.Tensor) -> torch.Tensor:
-    """The gradients of params (zeros where missing) as one vector of like's dtype."""
+    """The gradients of params (zeros where missing) as one new vector of like's dtype."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                       for p in params] or [like.new_zeros(0)])
 
@@ -251,3 +266,60 @@ def _write_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
             p.grad = piece.clone()
         else:
             p.grad.copy_(piece)
+
+
+class GradientShards:
+    """ZeRO-2 for a ScratchDDP (made by its shard_gradients): which parameters each rank owns
+    in each bucket, and the reduce-scatter that leaves each rank only its own averaged ones.
+
+    Accumulation: a second synchronised backward before the step (without no_sync) must add
+    to the averaged gradient a rank holds, not average it again with the others' None. So the
+    first gradient hook of each backward sets aside this rank's averaged gradients from the
+    synchronised backward before, and the next synchronised backward adds them back to its new
+    average. Under no_sync every rank accumulates its full local gradients, as with DDP; the
+    step must follow a synchronised backward (else it raises: the sum is incomplete).
+    """
+
+    def __init__(self, module: nn.Module, buckets: list[Bucket],
+                 optimizer: ShardedOptimizer) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        known = {p for group in optimizer.param_groups for p in group["params"]}
+        for name, p in module.named_parameters():
+            if p.requires_grad and p not in known:
+                raise ValueError(f"parameter {name!r} of the module is not one of the "
+                                 "optimizer's: build the ShardedOptimizer over ddp.parameters()")
+        self.chunks = [[[p for p in b.params if optimizer.owner(p) == r]
+                        for r in range(self.world)] for b in buckets]
+        self.averaged: dict[nn.Parameter, weakref.ref] = {}  # written by the last sync
+        self.set_aside: dict[nn.Parameter, torch.Tensor] = {}
+        for b in buckets:
+            for p in b.params:
+                p.register_hook(self._before_accumulate)
+        optimizer.register_step_pre_hook(self._check_synchronised)
+
+    @torch.no_grad()
+    def write(self, i: int, flat: torch.Tensor) -> None:
+        """Bucket i reduced: this rank's averaged gradients, plus what was set aside."""
+        own = self.chunks[i][self.rank]
+        _write_grads(own, flat)
+        for p in own:
+            if p in self.set_aside:
+                p.grad += self.set_aside.pop(p)
+            self.averaged[p] = weakref.ref(p.grad)
+
+    def _check_synchronised(self, *_: Any) -> None:
+        """Step pre-hook: nothing may still be set aside (dropped, so the next step can run)."""
+        if self.set_aside:
+            self.set_aside.clear()
+            raise RuntimeError("ZeRO-2: a backward under no_sync came after the last "
+                               "synchronised one, so this rank's gradients miss a part: "
+                               "synchronise the last micro-batch before step()")
+
+    def _before_accumulate(self, grad: torch.Tensor) -> None:
+        """Tensor hook, before a gradient accumulates: set aside the averaged gradients the
+        synchronised backward before left, if still in place (once per backward)."""
+        for p, written in self.averaged.items():
+            if p.grad is not None and p.grad is written():
+                self.set_aside[p] = p.grad
+                p.grad = None
+        self.averaged.clear()

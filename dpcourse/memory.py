@@ -23,6 +23,7 @@ STAGES = ("ddp", "zero1", "zero2", "zero3")
 MEASURED_STAGES = STAGES[:3]  # ZeRO-3 shards the parameters too: not built here
 KEYS = ("parameters", "gradients", "optimizer_state")
 LR = 1e-3
+MEASURE_BATCH = 8  # images per rank in measure_stages' one step: the bytes do not depend on it
 
 
 def bytes_per_rank(num_params: int, world_size: int, stage: str, *, param_bytes: float = 4,
@@ -62,12 +63,14 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def measured_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's parameters, non-None gradients and optimizer state tensors, in storage bytes.
 
-    For a ShardedOptimizer, optimizer.state is its own shard's. Adam's state includes a step
-    counter per parameter tensor (a 4-byte scalar) that the paper's formula leaves out.
+    The state is that of optimizer.optim where there is one (the local optimizer of our
+    ShardedOptimizer and of torch's ZeroRedundancyOptimizer: this rank's shard), else of
+    optimizer. Adam's state includes a step counter per parameter tensor (a 4-byte scalar)
+    that the paper's formula leaves out.
     """
     params = list(module.parameters())
-    state = [v for s in optimizer.state.values() for v in s.values()
-             if isinstance(v, torch.Tensor)]
+    local = getattr(optimizer, "optim", optimizer)
+    state = [v for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     out = {"parameters": storage_bytes(params),
            "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
            "optimizer_state": storage_bytes(state)}
@@ -78,6 +81,8 @@ def measured_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 def staged(stage: str, model: str) -> tuple[ScratchDDP, torch.optim.Optimizer]:
     """model wrapped in ScratchDDP with AdamW: plain ("ddp"), sharded ("zero1") or sharded
     with gradients reduce-scattered ("zero2")."""
+    if stage not in MEASURED_STAGES:
+        raise ValueError(f"stage must be one of {MEASURED_STAGES}, got {stage!r}")
     ddp = ScratchDDP(MODELS[model][0]())
     if stage == "ddp":
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=LR)
@@ -127,11 +132,13 @@ def measure_stages(world_size: int = 2, model: str = "lenet",
     "shard_tensors": [how many tensors]}} for "ddp", "zero1" and "zero2".
 
     The formula splits evenly; the shards split whole tensors, so they are only as even as
-    the tensors' sizes allow, and the measured state adds Adam's 4-byte step counters.
+    the tensors' sizes allow, and the measured state adds Adam's 4-byte step counters. All
+    are measured between steps: ZeRO-2 saves the gradients kept from one step to the next;
+    during backward a bucket's full gradients and its reduce-scatter pieces exist as with DDP.
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {tuple(MODELS)}, got {model!r}")
-    ranks = launch(measure_on_rank, model, 8, world_size=world_size, backend="gloo",
+    ranks = launch(measure_on_rank, model, MEASURE_BATCH, world_size=world_size, backend="gloo",
                    timeout=timeout)
     out = {}
     for stage in MEASURED_STAGES:

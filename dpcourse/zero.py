@@ -10,6 +10,7 @@ optimizer's.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable
 
 import torch
@@ -23,6 +24,7 @@ def partition(sizes: list[int], world_size: int, loads: list[int] | None = None)
 
     Deterministic, so every rank computes the same split; greedy ("longest processing time
     first"), so from equal loads the largest and smallest differ by at most the largest item.
+    ShardedOptimizer gives a frozen parameter size 0: it has no state to balance.
     """
     loads = list(loads) if loads is not None else [0] * world_size
     owners = [0] * len(sizes)
@@ -40,9 +42,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     are as even as the tensor sizes allow. ``param_groups`` holds every parameter and
     hyperparameter (schedulers work as usual); ``optim`` is this rank's optimizer_cls over
     its shard and ``state`` its state. Parameters without a gradient are skipped, as torch's
-    optimizers skip them. After stepping, each rank broadcasts its shard as one flat buffer
-    per dtype, so every rank receives the parameters it does not own: the volume of an
-    all-gather, without padding the shards to equal sizes as dist.all_gather_into_tensor needs.
+    optimizers skip them; frozen parameters weigh nothing in the split. After stepping, each
+    rank broadcasts its shard as one flat buffer per dtype, so every rank receives the
+    parameters it does not own: the volume of an all-gather, without padding the shards to
+    equal sizes as dist.all_gather_into_tensor needs. clip_grad_norm_ clips by the norm over
+    all ranks' gradients.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
@@ -84,10 +88,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         param_group["params"] = list(dict.fromkeys(params))  # a tied parameter once
         super().add_param_group(param_group)
         new = self.param_groups[-1]["params"]
-        owners = partition([p.numel() for p in new], self.world, self._loads)
-        for p, rank in zip(new, owners):
+        sizes = [p.numel() if p.requires_grad else 0 for p in new]  # frozen: no state
+        for p, size, rank in zip(new, sizes, partition(sizes, self.world, self._loads)):
             self._owners[p] = rank
-            self._loads[rank] += p.numel()
+            self._loads[rank] += size
         if hasattr(self, "optim"):  # after __init__: the local optimizer gets the group too
             self.optim.add_param_group(self._local_group(self.param_groups[-1]))
             self.param_groups[-1].update(
@@ -106,9 +110,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._share_parameters()
         return loss
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over all the parameters, for sharded gradients: the
+        total norm (float64) of the gradients each rank owns, combined across the ranks, so it
+        works after ZeRO-2 where a rank holds only those. Clips every gradient this rank holds;
+        returns the total norm. A collective: every rank must call it."""
+        norm_type = float(norm_type)
+        device = self.param_groups[0]["params"][0].device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        norms = [torch.linalg.vector_norm(p.grad, norm_type, dtype=torch.float64).to(device)
+                 for p in self.shard() if p.grad is not None]
+        if math.isinf(norm_type):
+            total = torch.stack([zero, *norms]).max()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        else:
+            total = sum([n.pow(norm_type) for n in norms], zero)
+            dist.all_reduce(total)
+            total = total.pow(1.0 / norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's 1e-6
+        for p in self._all_params():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return total
+
     def state_dict(self) -> dict[str, Any]:
         """The full state, as a plain optimizer_cls over all params would give it (tensors on
-        the CPU), on every rank: a collective, so every rank must call it."""
+        the CPU), on every rank.
+
+        A collective: EVERY rank must call it, not only the one that saves, since each rank
+        holds only its own shard's state and the shards are gathered (all_gather_object) from
+        all ranks; a call on rank 0 alone waits for the others until the timeout.
+        """
         index = {p: i for i, p in enumerate(self._all_params())}
         own = {index[p]: {k: v.cpu() if isinstance(v, torch.Tensor) else v
                           for k, v in self.state[p].items()}
@@ -124,9 +157,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load a full state (from state_dict(), or a plain optimizer's) given on every rank;
         each rank keeps its own shard's part."""
         groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+        theirs = [len(g["params"]) for g in groups]
+        ours = [len(g["params"]) for g in self.param_groups]
+        if theirs != ours:
             raise ValueError("the loaded state's parameter groups do not match this "
-                             "optimizer's (number of groups or of parameters per group)")
+                             f"optimizer's: parameters per group {theirs} loaded, {ours} here")
         params = self._all_params()
         local: dict[str, Any] = {"state": {}, "param_groups": []}
         for saved, group in zip(groups, self.param_groups):
@@ -152,15 +187,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                     if self._owners[p] == self.rank]}
 
     def _share_parameters(self) -> None:
-        """Every rank in turn broadcasts its shard, one flat buffer per dtype (same order on
-        every rank: owners and parameters are the same everywhere)."""
+        """Every rank in turn broadcasts its shard, one flat buffer per (device, dtype) (same
+        order on every rank: owners and parameters are the same everywhere)."""
         if self.world == 1:
             return
         for rank in range(self.world):
             shard = self.shard(rank)
-            for dtype in dict.fromkeys(p.dtype for p in shard):
-                params = [p for p in shard if p.dtype == dtype]
-                flat = torch.cat([p.detach().reshape(-1) for p in params])  # others: overwritten
+            for kind in dict.fromkeys((p.device, p.dtype) for p in shard):
+                params = [p for p in shard if (p.device, p.dtype) == kind]
+                if rank == self.rank:
+                    flat = torch.cat([p.detach().reshape(-1) for p in params])
+                else:
+                    flat = torch.empty(sum(p.numel() for p in params), device=kind[0],
+                                       dtype=kind[1])
                 dist.broadcast(flat, src=rank)
                 if rank != self.rank:
                     offset = 0

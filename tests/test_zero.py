@@ -2,40 +2,43 @@
 shard_gradients (ZeRO-2) exactly like ZeRO-1.
 
 Two launches, 2 and 3 ranks, each running its checks in one go (1 rank: a process group
-in the test's own process). The models are float64
+in the test's own process). The models are mostly float64
 (TiedNet: a tied weight, a frozen layer, a layer without gradient in one step; and a
 one-parameter net, fewer parameters than ranks), so after 10 steps any difference is
-rounding: 1e-9 relative (in practice the results are bitwise equal).
+rounding: 1e-9 relative (in practice the results are bitwise equal); TiedNet in float32
+once, at 1e-6.
 """
-import tempfile
-from contextlib import contextmanager
+import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dpcourse import _zero_workers
 from dpcourse.launch import launch
 from dpcourse.zero import ShardedOptimizer, partition
 
-CASES = [("tied", "SGD"), ("tied", "Adam"), ("tied", "AdamW"), ("tiny", "AdamW")]
+CASES = [("tied", "SGD"), ("tied", "Adam"), ("tied", "AdamW"), ("tiny", "AdamW"),
+         ("tied32", "AdamW")]
 WORLDS = (2, 3)
-CASES_ON = {2: CASES, 3: [("tied", "AdamW"), ("tiny", "AdamW")]}  # 3 ranks: a shorter run
-RUNS = [(w, case) for w in WORLDS for case in CASES_ON[w]]
+RUNS = [(w, case) for w in WORLDS for case in CASES]
 CAPS = (25.0, 0.0)  # one bucket; one bucket per parameter
 CLOSE = {"rtol": 1e-9, "atol": 1e-12}
+CLOSE32 = {"rtol": 1e-6, "atol": 1e-7}
+ACCUMULATIONS = list(_zero_workers.ACCUMULATIONS)
+CLIPPINGS = [(w, stage, norm) for w in WORLDS for stage in ("zero1", "zero2")
+             for norm in (2.0, math.inf)]
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, list[dict]]:
     """world size -> each rank's results; the rank-count independent checks run on 2."""
-    return {w: launch(_zero_workers.zero_checks, CASES_ON[w], w == 2, world_size=w,
+    return {w: launch(_zero_workers.zero_checks, CASES, w == 2, world_size=w,
                       backend="gloo", timeout=300) for w in WORLDS}
 
 
 def records(runs, world, case):
     """Each rank's record of case on world ranks."""
-    i = CASES_ON[world].index(case)
+    i = CASES.index(case)
     return [runs[world][rank]["sharded"][i] for rank in range(world)]
 
 
@@ -46,10 +49,11 @@ def run_id(run):
 
 @pytest.mark.parametrize("world, case", RUNS, ids=list(map(run_id, RUNS)))
 def test_sharded_optimizer_equals_the_plain_one_after_every_step(runs, world, case):
+    close = CLOSE32 if case[0] == "tied32" else CLOSE
     for record in records(runs, world, case):
         assert len(record["ours"]) == _zero_workers.STEPS
         for ours, plain in zip(record["ours"], record["plain"]):
-            torch.testing.assert_close(ours, plain, **CLOSE)
+            torch.testing.assert_close(ours, plain, **close)
         assert not torch.equal(record["plain"][-1], record["plain"][0])  # it did train
 
 
@@ -88,6 +92,15 @@ def test_fewer_parameters_than_ranks_leaves_ranks_empty_but_working(runs):
     assert record[0]["owners"] == [0] and [r["local_params"] for r in record] == [1, 0, 0]
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_frozen_parameters_weigh_nothing_in_the_split(runs, world):
+    """A 1000-element frozen parameter among trainable ones of 600, 400, 300, 200."""
+    for rank_result in runs[world]:
+        loads = rank_result["frozen"]["trainable_loads"]
+        assert sum(loads) == 1500 and min(loads) > 0
+        assert max(loads) - min(loads) <= rank_result["frozen"]["largest_trainable"]
+
+
 def test_partition_is_greedy_largest_first_and_continues_from_given_loads():
     assert partition([5, 3, 3, 1], 2) == [0, 1, 1, 0]  # loads 6 and 6
     assert partition([1, 1, 1], 2) == [0, 1, 0]
@@ -96,10 +109,13 @@ def test_partition_is_greedy_largest_first_and_continues_from_given_loads():
 
 
 def test_consolidated_state_dict_is_the_plain_optimizers(runs):
+    """Two groups, and two layers of two tensors without state: frozen, and not used yet."""
     for rank_result in runs[2]:
         ours = rank_result["round_trip"]["consolidated"]
         plain = rank_result["round_trip"]["plain_state"]
+        assert len(ours["param_groups"]) == 2
         assert ours["param_groups"] == plain["param_groups"]
+        assert len(plain["state"]) == sum(len(g["params"]) for g in plain["param_groups"]) - 4
         assert ours["state"].keys() == plain["state"].keys()
         for i, state in plain["state"].items():
             assert ours["state"][i].keys() == state.keys()
@@ -113,15 +129,29 @@ def test_state_dict_round_trips_between_sharded_and_plain(runs):
         torch.testing.assert_close(r["sharded"], r["plain"], **CLOSE)
         torch.testing.assert_close(r["plain_from_sharded"], r["plain"], **CLOSE)
         torch.testing.assert_close(r["sharded_from_plain"], r["plain"], **CLOSE)
-        assert r["lr_after_load"] == _zero_workers.OPTIMIZERS["AdamW"][1]["lr"]
+        assert r["lrs_after_load"] == [0.05, _zero_workers.OPTIMIZERS["AdamW"][1]["lr"]]
 
 
-def test_add_param_group_shares_out_the_new_parameters_only(runs):
+@pytest.mark.parametrize("opt_name", ["Adam", "AdamW"])
+def test_a_scheduler_and_two_groups_train_like_the_plain_optimizer(runs, opt_name):
+    """StepLR divides each group's lr by 10 every 2 steps; the groups differ in lr and
+    weight decay."""
     for rank_result in runs[2]:
-        r = rank_result["add_group"]
+        r = rank_result["scheduled"][opt_name]
+        for ours, plain in zip(r["sharded"], r["plain"]):
+            torch.testing.assert_close(ours, plain, **CLOSE)
+        lr = _zero_workers.OPTIMIZERS[opt_name][1]["lr"]
+        decays = (_zero_workers.STEPS - 1) // 2  # the lr of the last step: copied at step()
+        assert r["local_lrs"] == pytest.approx([0.05 * 0.1**decays, lr * 0.1**decays])
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
+def test_add_param_group_shares_out_the_new_parameters_only(runs, opt_name):
+    for rank_result in runs[2]:
+        r = rank_result["add_group"][opt_name]
         torch.testing.assert_close(r["sharded"], r["plain"], **CLOSE)
         assert r["owners_after"] == r["owners_before"]
-        assert r["local_lrs"] == [0.1, 0.05]
+        assert r["local_lrs"] == [_zero_workers.OPTIMIZERS[opt_name][1]["lr"], 0.05]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -131,6 +161,8 @@ def test_zero2_trains_like_zero1_and_like_plain_ddp(runs, world, cap):
         z = rank_result["zero2"][cap]
         torch.testing.assert_close(z["zero1"]["params"], z["ddp"]["params"], **CLOSE)
         torch.testing.assert_close(z["zero2"]["params"], z["zero1"]["params"], **CLOSE)
+        collectives, buckets = z["zero2"]["collectives"]
+        assert collectives == _zero_workers.STEPS * buckets  # one reduce-scatter per bucket
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -138,13 +170,49 @@ def test_zero2_trains_like_zero1_and_like_plain_ddp(runs, world, cap):
 def test_zero2_leaves_averaged_gradients_on_owned_parameters_only(runs, world, cap):
     for rank, rank_result in enumerate(runs[world]):
         z = rank_result["zero2"][cap]
-        owned = [o == rank and t for o, t in zip(z["zero2"]["owners"], rank_result["zero2"][cap]
-                                                 ["trainable"])]
+        owned = [o == rank and t for o, t in zip(z["zero2"]["owners"], z["trainable"])]
         assert [g is not None for g in z["zero2"]["grads"]] == owned
         assert any(owned) and not all(owned)
         for mine, ours, full in zip(owned, z["zero2"]["grads"], z["zero1"]["grads"]):
             if mine:
                 torch.testing.assert_close(ours, full, **CLOSE)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_zero2_with_fewer_parameters_than_ranks(runs, world):
+    for rank, rank_result in enumerate(runs[world]):
+        z = rank_result["zero2_tiny"]
+        torch.testing.assert_close(z["zero2"]["params"], z["ddp"]["params"], **CLOSE)
+        assert z["zero2"]["owners"] == [0]
+        assert [g is not None for g in z["zero2"]["grads"]] == [rank == 0]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("accumulation", ACCUMULATIONS)
+def test_accumulating_micro_batches_zero2_trains_like_zero1_and_plain_ddp(runs, world,
+                                                                          accumulation):
+    """Two or three backwards per step, synchronised or under no_sync: ZeRO-2 must add the
+    synchronised gradient it already holds, not average it again."""
+    for rank, rank_result in enumerate(runs[world]):
+        a = rank_result["accumulation"][accumulation]
+        for stage in ("zero1", "zero2"):
+            for ours, plain in zip(a[stage]["params"], a["ddp"]["params"]):
+                torch.testing.assert_close(ours, plain, **CLOSE)
+        for owner, ours, full in zip(a["zero2"]["owners"], a["zero2"]["grads"],
+                                     a["ddp"]["grads"]):
+            if owner == rank and full is not None:
+                torch.testing.assert_close(ours, full, **CLOSE)
+
+
+@pytest.mark.parametrize("world, stage, norm", CLIPPINGS)
+def test_clip_grad_norm_is_torchs_on_the_unsharded_gradients(runs, world, stage, norm):
+    for rank_result in runs[world]:
+        c = rank_result["clipping"][stage, norm]
+        torch.testing.assert_close(c["ours"], c["torch"], **CLOSE)
+        assert c["torch"] > 0.05  # it did clip
+        for owned, ours, theirs in zip(c["owned"], c["grads"], c["torch_grads"]):
+            if (owned or stage == "zero1") and theirs is not None:  # frozen: no gradient
+                torch.testing.assert_close(ours, theirs, **CLOSE)
 
 
 def test_same_parameters_as_torchs_zero_redundancy_optimizer(runs):
@@ -153,14 +221,28 @@ def test_same_parameters_as_torchs_zero_redundancy_optimizer(runs):
                                    rank_result["torch_zero"]["torch"], **CLOSE)
 
 
+def test_same_optimizer_state_bytes_in_all_as_torchs_zero_redundancy_optimizer(runs):
+    ours = [r["torch_zero"]["ours_bytes"]["optimizer_state"] for r in runs[2]]
+    theirs = [r["torch_zero"]["torch_bytes"]["optimizer_state"] for r in runs[2]]
+    assert all(theirs) and sum(ours) == sum(theirs)
+
+
 def test_clear_errors(runs):
     errors = runs[2][0]["errors"]
     assert errors["class name"].startswith("TypeError: optimizer_cls must be a torch.optim")
     assert errors["not an optimizer"].startswith("TypeError: optimizer_cls must be")
     assert errors["no parameters"] == "ValueError: optimizer got an empty parameter list"
     assert "parameter groups do not match" in errors["wrong state"]
+    assert "parameters per group [1] loaded, [9] here" in errors["wrong state"]
     assert "without ring=True or shm=True" in errors["ring"]
-    assert "is not one of this optimizer's parameters" in errors["other parameters"]
+    assert errors["other parameters"].startswith(
+        "ValueError: parameter 'embed.weight' of the module is not one of the optimizer's: "
+        "build the ShardedOptimizer over ddp.parameters()")
+    assert errors["plain optimizer"] == (
+        "TypeError: shard_gradients needs a zero.ShardedOptimizer over this module's "
+        "parameters, got SGD")
+    assert errors["no_sync last"].startswith("RuntimeError: ZeRO-2: a backward under no_sync "
+                                             "came after the last synchronised one")
 
 
 def test_without_a_process_group_the_error_says_how_to_get_one():
@@ -168,20 +250,8 @@ def test_without_a_process_group_the_error_says_how_to_get_one():
         ShardedOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD, lr=0.1)
 
 
-@contextmanager
-def one_rank_group():
-    """A default process group of this process alone, destroyed on exit."""
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
-                                world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 def test_one_rank_owns_everything_and_trains_like_the_plain_optimizer():
-    with one_rank_group():
+    with _zero_workers.one_rank_group():
         record = _zero_workers.sharded_against_plain("tied", "AdamW")
         z = _zero_workers.zero2_against_zero1(0.0)
     for ours, plain in zip(record["ours"], record["plain"]):
