@@ -481,3 +481,176 @@ def show_overlap_timeline(timelines: list[dict]) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     plt.show()
+
+
+# ---- chapter 08 ----
+
+def _bytes_label(nbytes: float) -> str:
+    """4096 -> '4K', 25 * 2**20 -> '25M' (binary units)."""
+    return f"{nbytes / 2**20:g}M" if nbytes >= 2**20 else f"{nbytes / 2**10:g}K"
+
+
+def _size_ticks(ax, nbytes: list[float], spacing: float = 16) -> None:
+    """Log x axis of sizes in bytes, labelled 4K, 64K, 1M, ...: the smallest size, then each
+    next one at least spacing times the last labelled."""
+    ax.set_xscale("log", base=2)
+    ticks: list[float] = []
+    for n in sorted(nbytes):
+        if not ticks or n >= spacing * ticks[-1]:
+            ticks.append(n)
+    ax.set_xticks(ticks, [_bytes_label(n) for n in ticks], fontsize=8)
+    ax.minorticks_off()  # also on a log y axis: fewer marks, a smaller figure
+
+
+def show_allreduce_fit(seconds: dict[str, dict[int, float]], fits: dict, world_size: int) -> None:
+    """Measured seconds per allreduce (markers) against each fitted alpha + n beta (lines), on
+    log axes, with the time the memcpy bound allows (seconds["memcpy"] x 2(w-1)/w, dashed)."""
+    fig, ax = plt.subplots(figsize=(4.8, 2.3))
+    colors = plt.cm.tab10.colors
+    for i, (name, cost) in enumerate(fits.items()):
+        nbytes = [4 * n for n in seconds[name]]
+        ax.plot(nbytes, [1e3 * t for t in seconds[name].values()], "o", color=colors[i],
+                markersize=4)
+        ax.plot(nbytes, [1e3 * cost.time(b) for b in nbytes], "-", color=colors[i], lw=1,
+                label=f"{name}: {1e6 * cost.alpha:.0f} us + n / {cost.bandwidth / 1e9:.2f} GB/s")
+    copies = seconds["memcpy"]
+    factor = 2 * (world_size - 1) / world_size
+    ax.plot([4 * n for n in copies], [1e3 * factor * t for t in copies.values()], "k--", lw=1,
+            label="memcpy bound")
+    ax.set_yscale("log")
+    _size_ticks(ax, [4 * n for n in copies])
+    ax.set(xlabel="bytes per rank (float32)", ylabel="ms per allreduce")
+    ax.set_title(f"Allreduce on {world_size} processes: fastest calls (dots), fits (lines)",
+                 fontsize=9)
+    ax.legend(fontsize=6, loc="upper left")
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+def show_timing_spread(samples: dict[str, dict[int, list[float]]], names: list[str],
+                       numels: list[int]) -> None:
+    """Every call's time (dots, log scale) of each named allreduce at each of the numels, side
+    by side; a bar marks the fastest call, the figure the fit uses."""
+    fig, ax = plt.subplots(figsize=(5, 2.2))
+    g = torch.Generator().manual_seed(0)  # the same horizontal jitter on every run
+    colors = plt.cm.tab10.colors
+    for k, name in enumerate(names):
+        for i, n in enumerate(numels):
+            ts = samples[name][n]
+            x = i + (k - (len(names) - 1) / 2) * 0.35
+            jitter = (torch.rand(len(ts), generator=g) - 0.5) * 0.2
+            ax.plot([x + float(j) for j in jitter], [1e3 * t for t in ts], ".", color=colors[k],
+                    label=name if i == 0 else None)
+            ax.plot([x - 0.14, x + 0.14], [1e3 * min(ts)] * 2, "-", color="black",
+                    label="fastest call" if (i, k) == (0, 0) else None)
+    ax.set_xticks(range(len(numels)), [_bytes_label(4 * n) for n in numels], fontsize=8)
+    ax.set(xlabel="bytes per rank", ylabel="ms per call", yscale="log")
+    ax.minorticks_off()
+    ax.set_title("Every call timed: the same allreduce at the same size", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+def show_step_anatomy(anatomy: dict) -> None:
+    """One ScratchDDP step (performance.step_anatomy): forward, backward, the exposed
+    communication and the optimizer in a row, and each bucket's allreduce under backward."""
+    fig, ax = plt.subplots(figsize=(6.5, 1.7))
+    ms = {k: 1e3 * anatomy[k] for k in ("forward_s", "backward_no_sync_s", "exposed_comm_s",
+                                         "optimizer_s")}
+    left = 0.0
+    for key, label, color in (("forward_s", "forward", "tab:blue"),
+                              ("backward_no_sync_s", "backward (computation)", "lightgray"),
+                              ("exposed_comm_s", "exposed communication", "tab:red"),
+                              ("optimizer_s", "optimizer", "tab:green")):
+        ax.barh(1, ms[key], left=left, height=0.5, color=color, edgecolor="black", label=label)
+        left += ms[key]
+    for i, launched, finished in anatomy["timeline"]:
+        ax.barh(0, 1e3 * (finished - launched), left=ms["forward_s"] + 1e3 * launched,
+                height=0.5, color="tab:orange", edgecolor="black",
+                label="bucket allreduces" if i == 0 else None)
+    ax.set_yticks([0, 1], ["allreduces", "step"])
+    ax.set(xlabel="ms from the start of the step (medians; allreduces of one step)")
+    ax.set_title(f"One step on 2 processes, {anatomy['buckets']} bucket(s): communication "
+                 "under backward is hidden, after it exposed", fontsize=8)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+def show_bucket_sweep(step_seconds: dict[float, float],
+                      models: dict[str, dict[float, float]]) -> None:
+    """Measured seconds per step against the bucket cap (MiB), next to each model's seconds
+    (label -> {cap: s}, backward and communication only); the best of each marked with a star."""
+    fig, ax = plt.subplots(figsize=(5, 2.5))
+    caps = [c * 2**20 for c in step_seconds]
+    for (label, values), color in zip({"measured step": step_seconds, **models}.items(),
+                                      plt.cm.tab10.colors):
+        ax.plot(caps, [1e3 * t for t in values.values()], "o-", color=color, label=label,
+                markersize=3, lw=1)
+        best = min(values, key=values.get)
+        ax.plot([best * 2**20], [1e3 * values[best]], "*", color=color, markersize=13)
+    _size_ticks(ax, caps, spacing=2)
+    ax.set(xlabel="bucket cap (bytes)", ylabel="ms per step")
+    ax.set_title("ResNet-18, ScratchDDP, 2 processes: bucket cap against step time (stars: "
+                 "the best)\nmodels: backward + exposed communication, no forward or optimizer",
+                 fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+def show_scaling(scaling: dict[str, dict[str, dict[int, float]]]) -> None:
+    """Efficiency against the number of processes, for strong and weak scaling."""
+    fig, ax = plt.subplots(figsize=(4.5, 2.3))
+    for mode, r in scaling.items():
+        ax.plot(list(r["efficiency"]), list(r["efficiency"].values()), "o-", lw=1,
+                markersize=4, label=mode)
+    worlds = list(next(iter(scaling.values()))["efficiency"])
+    ax.axhline(1.0, color="gray", linestyle=":", label="perfect")
+    ax.set(xlabel="processes", ylabel="efficiency", xticks=worlds, ylim=(0, 1.2))
+    ax.set_title("LeNet, torch's DDP, one thread per process", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+def show_lr_scaling(curves: dict[str, dict[str, list[float]]]) -> None:
+    """Training loss against samples seen for each run (label -> {"samples", "loss"})."""
+    fig, ax = plt.subplots(figsize=(5, 2.3))
+    for label, c in curves.items():
+        ax.plot(c["samples"], c["loss"], "-", lw=1, label=label)
+    ax.set(xlabel="training samples seen", ylabel="training loss", yscale="log")
+    ax.minorticks_off()
+    ax.set_title("The same samples in batches of different sizes (LeNet)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _display_compact(fig)
+
+
+# ---- chapter 09 ----
+
+def show_zero_memory(stages: dict[int, dict[str, dict]]) -> None:
+    """Each rank's measured bytes (stacked: parameters, gradients, optimizer state) for each
+    stage, one panel per world size (world -> memory.measure_stages(world)); a black line
+    over each stage marks the formula's total per rank."""
+    parts = ("parameters", "gradients", "optimizer_state")
+    colors = ("#4C72B0", "#55A868", "#C44E52")
+    fig, axes = plt.subplots(1, len(stages), figsize=(10, 3.2), sharey=True)
+    for ax, (world, by_stage) in zip(axes, stages.items()):
+        width = 0.8 / world
+        for s, (stage, r) in enumerate(by_stage.items()):
+            for rank, measured in enumerate(r["measured"]):
+                x, bottom = s - 0.4 + width * (rank + 0.5), 0.0
+                for part, color in zip(parts, colors):
+                    ax.bar(x, measured[part] / 1e6, width * 0.9, bottom=bottom, color=color,
+                           label=part.replace("_", " ") if (s, rank) == (0, 0) else None)
+                    bottom += measured[part] / 1e6
+            ax.hlines(r["formula"]["total"] / 1e6, s - 0.45, s + 0.45, colors="black",
+                      label="formula per rank" if s == 0 else None)
+        ax.set_xticks(range(len(by_stage)), list(by_stage))
+        ax.set_title(f"{world} process{'es' if world > 1 else ''}: one bar per rank", fontsize=10)
+    axes[0].set_ylabel("MB on the rank (LeNet, float32)")
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    _display_compact(fig)

@@ -11,8 +11,9 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 MODULES = [importlib.import_module(f"dpcourse.{name}") for name in (
     "bench", "checkpoint", "collectives", "concise", "cost_model", "data", "data_parallel", "ddp",
-    "hardware", "launch", "lenet", "memory", "p2p", "performance", "rank_demos", "resnet", "ring",
-    "shm", "shm_steps", "split", "throughput", "training", "zero")]
+    "hardware", "launch", "lenet", "lr_scaling", "memory", "p2p", "performance", "rank_demos",
+    "resnet", "ring", "shm", "shm_steps", "split", "throughput", "training", "zero",
+    "zero_demos")]
 # Notebook-only code: a textbook's version shown to expose its bug, an exercise checker,
 # a figure, or a tutorial's model. Everything else a notebook defines is dpcourse's code.
 TEACHING_ONLY = ("textbook_", "check_", "show_", "Tutorial")
