@@ -1,0 +1,154 @@
+"""The checkers of chapter 08 say "correct" to right answers and explain known wrong ones; their
+references agree with cost_model's formulas and with its bucket simulation."""
+import pytest
+
+from dpcourse import cost_model
+from dpcourse.cost_model import AlphaBeta
+from dpcourse.exercises.ch08 import (BUCKET_BACKWARD_S, BUCKET_COST, BUCKET_MODEL_BYTES,
+                                     CROSSOVER_LINK, CROSSOVER_RANKS, PREDICT_BYTES,
+                                     best_bucket_reference, bf16_overhead_reference,
+                                     check_best_bucket, check_bf16_overhead,
+                                     check_predicted_seconds, check_ring_tree_crossover,
+                                     ring_tree_crossover_reference)
+
+FIT = AlphaBeta(alpha=300e-6, beta=1 / 1.5e9)  # a fit like gloo's on 2 processes
+
+
+def said(capsys) -> str:
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", [lambda a: check_predicted_seconds(a, FIT),
+                                   check_ring_tree_crossover, check_best_bucket,
+                                   check_bf16_overhead])
+def test_no_answer_is_not_answered_yet(capsys, check):
+    check(None)
+    assert said(capsys) == "not answered yet\n"
+
+
+# --- exercise 1: predict an allreduce's time from the fit ----------------------------------
+
+def test_prediction_is_alpha_plus_bytes_times_beta(capsys):
+    check_predicted_seconds(300e-6 + 3 * 2**20 / 1.5e9, FIT)
+    assert said(capsys).startswith("correct")
+
+
+@pytest.mark.parametrize("answer, reason", [
+    (300e-6 + 3 * 2**18 / 1.5e9, "per *byte*"),  # numel instead of bytes
+    (3 * 2**20 / 1.5e9, "add alpha"),
+    (1e3 * (300e-6 + 3 * 2**20 / 1.5e9), "not milliseconds"),
+    (300e-6 + 3e6 / 1.5e9, "2**20"),
+    (1.0, "evaluate alpha + n * beta"),
+    ("0.002", "number of seconds"),
+])
+def test_prediction_explains_bytes_alpha_units_and_mib(capsys, answer, reason):
+    check_predicted_seconds(answer, FIT)
+    out = said(capsys)
+    assert out.startswith("not quite") and reason in out, out
+
+
+def test_the_size_to_predict_is_not_one_the_sweep_measures():
+    assert PREDICT_BYTES % 4 == 0
+    numel = PREDICT_BYTES // 4
+    assert numel not in [4**k * 1024 for k in range(8)]
+
+
+# --- exercise 2: where the ring overtakes the tree -----------------------------------------
+
+def test_crossover_is_where_the_ring_and_tree_formulas_take_equally_long():
+    n = ring_tree_crossover_reference()
+    ring = cost_model.allreduce_cost(CROSSOVER_LINK, CROSSOVER_RANKS, "ring")
+    tree = cost_model.allreduce_cost(CROSSOVER_LINK, CROSSOVER_RANKS, "tree")
+    assert ring.time(n) == pytest.approx(tree.time(n), rel=1e-12)
+    assert ring.time(0.5 * n) > tree.time(0.5 * n) and ring.time(2 * n) < tree.time(2 * n)
+
+
+def test_crossover_by_hand_for_8_ranks():
+    # 14 (a + n b / 8) = 6 (a + n b)  =>  n = 8 a / (4.25 b)
+    a, b = CROSSOVER_LINK.alpha, CROSSOVER_LINK.beta
+    assert ring_tree_crossover_reference() == pytest.approx(8 * a / (4.25 * b), rel=1e-12)
+
+
+def test_crossover_accepts_the_answer_and_explains_a_ring_that_sends_whole_tensors(capsys):
+    a, b = CROSSOVER_LINK.alpha, CROSSOVER_LINK.beta
+    check_ring_tree_crossover(8 * a / (4.25 * b))
+    assert said(capsys).startswith("correct")
+    check_ring_tree_crossover(8 * a / (8 * b))  # 14 (a + n b) = 6 (a + n b): |n| = a / b
+    out = said(capsys)
+    assert out.startswith("not quite") and "n/p bytes" in out, out
+    check_ring_tree_crossover(1.0)
+    assert "set them equal" in said(capsys)
+
+
+# --- exercise 3: the best bucket size ------------------------------------------------------
+
+def test_best_bucket_formula_is_the_best_of_the_bucket_simulation():
+    """Among bucket sizes that divide the model (the formula's assumption), cost_model's
+    simulation of backward and the allreduces finds the formula's size, within one bucket."""
+    sizes = [BUCKET_MODEL_BYTES / k for k in range(1, 2000)]
+    best = cost_model.best_bucket_size(BUCKET_MODEL_BYTES, BUCKET_BACKWARD_S, BUCKET_COST, sizes)
+    formula = best_bucket_reference()
+    assert BUCKET_MODEL_BYTES / best == pytest.approx(BUCKET_MODEL_BYTES / formula, abs=1)
+
+
+def test_best_bucket_by_hand():
+    # 0.5 ms x 44,703,272 B / (0.2 s - 44,703,272 B / 1 GB/s)
+    assert best_bucket_reference() == pytest.approx(5e-4 * 44_703_272 / (0.2 - 0.044703272),
+                                                    rel=1e-12)
+
+
+@pytest.mark.parametrize("answer, reason", [
+    (5e-4 * BUCKET_MODEL_BYTES / BUCKET_BACKWARD_S, "beta per byte"),
+    (best_bucket_reference() / 4, "in bytes"),
+    (1e6, "set them equal"),
+    ([1], "number of bytes"),
+])
+def test_best_bucket_explains_missing_beta_and_bytes(capsys, answer, reason):
+    check_best_bucket(answer)
+    out = said(capsys)
+    assert out.startswith("not quite") and reason in out, out
+
+
+def test_best_bucket_accepts_the_formula(capsys):
+    check_best_bucket(best_bucket_reference())
+    assert said(capsys).startswith("correct")
+
+
+def test_exercise_3s_model_is_the_chapters_resnet18():
+    from dpcourse import performance
+    assert performance.gradient_bytes(performance.resnet18_model()) == BUCKET_MODEL_BYTES
+
+
+# --- exercise 4: a billion parameters in bfloat16 ------------------------------------------
+
+def test_bf16_overhead_by_hand():
+    """2e9 bytes in 25 MiB buckets: 76 full buckets and one of the rest, each a ring
+    allreduce over 8 ranks of 14 steps of 3.4 us + n/8 bytes at 450 GB/s."""
+    bucket, full = 25 * 2**20, 2 * 10**9 // (25 * 2**20)
+    rest = 2 * 10**9 - full * bucket
+
+    def ring(n):
+        return 14 * (3.4e-6 + n / 8 / 450e9)
+    assert full == 76 and rest > 0
+    assert bf16_overhead_reference() == pytest.approx(full * ring(bucket) + ring(rest),
+                                                      rel=1e-12)
+
+
+def test_bf16_overhead_accepts_the_prediction(capsys):
+    check_bf16_overhead(bf16_overhead_reference())
+    out = said(capsys)
+    assert out.startswith("correct") and "x2.00" in out, out
+
+
+@pytest.mark.parametrize("answer, reason", [
+    (bf16_overhead_reference(4 * 10**9), "bfloat16 has 2"),
+    (bf16_overhead_reference(bandwidth=900e9), "both directions"),
+    (1e3 * bf16_overhead_reference(), "not milliseconds"),
+    (14 * (3.4e-6 + 2e9 / 8 / 450e9), "25 MiB buckets"),
+    (1.0, "predict_ddp_overhead("),
+    ("0.01", "number of seconds"),
+])
+def test_bf16_overhead_explains_bytes_bandwidth_units_and_buckets(capsys, answer, reason):
+    check_bf16_overhead(answer)
+    out = said(capsys)
+    assert out.startswith("not quite") and reason in out, out
