@@ -183,11 +183,11 @@ def bench_processes(repeats: int, sweeps: dict[int, dict], steps: int, figures: 
 # --- chapter 08 --------------------------------------------------------------------------------
 
 def size_label(nbytes: float) -> str:
-    """4096 -> '4 KiB', 1.5 * 2**20 -> '1.5 MiB' (3 significant digits)."""
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.3g} B"
+    """4096 -> '4 KiB', 1.5 * 2**20 -> '1.5 MiB' (3 significant digits, or whole units)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10), ("B", 1)):
+        if nbytes >= scale or unit == "B":
+            value = nbytes / scale
+            return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
 
 
 def print_sweep(seconds: dict[str, dict[int, float]], world: int, repeats: int) -> None:
