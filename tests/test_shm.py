@@ -8,7 +8,8 @@ import torch
 
 from dpcourse import _workers
 from dpcourse.launch import RankError, launch
-from dpcourse.shm import PREFIX, SHM_DIR, SharedMemoryAllreduce
+from dpcourse.shm import SharedMemoryAllreduce
+from shm_checks import assert_equals_all_reduce, segment_files
 
 WORLDS = [1, 2, 3, 4]
 MAX_BYTES = 1 << 16  # 64 KiB in all: 50_000 elements take several rounds
@@ -16,11 +17,6 @@ SIZES = [0, 1, 5, 13, 4099, 50_000]
 DTYPES = [torch.float32, torch.float64, torch.int64]
 CASES = ([(n, dt, False) for n in SIZES for dt in DTYPES]
          + [(4100, torch.float32, True), (50_000, torch.int64, True), (20, torch.float64, True)])
-
-
-def segment_files() -> set[str]:
-    """The shared-memory files of any SharedMemoryAllreduce now in /dev/shm."""
-    return {p.name for p in SHM_DIR.glob(f"{PREFIX}*")}
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
@@ -37,15 +33,7 @@ def test_sums_equal_dist_all_reduce(run):
     for report in reports:
         assert [r["case"] for r in report["records"]] == CASES
         for r in report["records"]:
-            result, expected = r["result"], r["expected"]
-            assert result.shape == expected.shape and result.dtype == expected.dtype
-            if result.dtype == torch.int64:
-                assert torch.equal(result, expected), r["case"]
-            else:  # gloo may add in another order: rounding of the partial sums differs
-                rtol = 1e-6 if result.dtype == torch.float32 else 1e-12
-                scale = expected.abs().max().item() if expected.numel() else 0.0
-                torch.testing.assert_close(result, expected, rtol=rtol, atol=rtol * scale,
-                                           msg=lambda m, r=r: f"{r['case']}: {m}")
+            assert_equals_all_reduce(r)
 
 
 def test_every_slice_is_summed_in_rank_order(run):

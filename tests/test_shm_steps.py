@@ -9,8 +9,8 @@ import torch
 from dpcourse import _shm_workers
 from dpcourse._workers import shm_input
 from dpcourse.launch import launch
-from dpcourse.shm import PREFIX, SHM_DIR
 from dpcourse.shm_steps import SHM_STEPS, WHOLE_TENSOR_BYTES
+from shm_checks import assert_equals_all_reduce, segment_files
 
 WORLDS = [2, 3]
 MAX_BYTES = 1 << 14  # 16 KiB in all: 4099 elements take 2-3 rounds, 50_000 take dozens
@@ -23,11 +23,6 @@ FACTORY_CASES = [(0, torch.float32, False), (5, torch.int64, False),
 STEP_TYPES = ["PlainBarriers", "SpinCounters", "SharedMemoryAllreduce", "SharedMemoryAllreduce"]
 
 
-def segment_files() -> set[str]:
-    """The shared-memory files of any SharedMemoryAllreduce now in /dev/shm."""
-    return {p.name for p in SHM_DIR.glob(f"{PREFIX}*")}
-
-
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def run(request) -> tuple[int, list[dict], set[str]]:
     """The world size, each rank's report, and the segment files the launch left behind."""
@@ -35,19 +30,6 @@ def run(request) -> tuple[int, list[dict], set[str]]:
     reports = launch(_shm_workers.steps_against_all_reduce, CASES, MAX_BYTES, PASSES,
                      FACTORY_CASES, world_size=request.param, backend="gloo", timeout=120)
     return request.param, reports, segment_files() - before
-
-
-def assert_equals_all_reduce(record: dict) -> None:
-    """int64 exactly; floats within 1e-6 (float32) or 1e-12 (float64) of the largest sum."""
-    result, expected = record["result"], record["expected"]
-    assert result.shape == expected.shape and result.dtype == expected.dtype
-    if result.dtype == torch.int64:
-        assert torch.equal(result, expected), record["case"]
-    else:  # gloo may add in another order: rounding of the partial sums differs
-        rtol = 1e-6 if result.dtype == torch.float32 else 1e-12
-        scale = expected.abs().max().item() if expected.numel() else 0.0
-        torch.testing.assert_close(result, expected, rtol=rtol, atol=rtol * scale,
-                                   msg=lambda m: f"{record['case']}: {m}")
 
 
 def rank_order_sum(world: int, call: int, numel: int, dtype: torch.dtype,
