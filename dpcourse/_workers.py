@@ -1,6 +1,7 @@
 """Functions the tests run on every rank with ``launch`` (spawned ranks import them here)."""
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -27,6 +28,15 @@ def whoami(tag: str) -> dict:
             "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
             "device": str(rank_device()),
             "tensor": torch.full((2,), float(rank), requires_grad=True) * 2}
+
+
+def optimizer_and_atexit(path: str) -> int:
+    """Build an optimizer (after which torch keeps the gloo group's threads alive until
+    shutdown) and ask Python's shutdown to create the file path + rank."""
+    rank = dist.get_rank()
+    torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    atexit.register(lambda: open(f"{path}{rank}", "w").close())
+    return rank
 
 
 def fail_on(bad_rank: int) -> int:

@@ -197,8 +197,11 @@ def _run_rank(fn: Callable[..., Any], args: tuple, spec: _Rank) -> None:
                 pass
         sys.stdout.flush()
         sys.stderr.flush()
-    if failed:
-        sys.exit(1)
+    # End now, without Python's shutdown: once an optimizer has been built, torch keeps even a
+    # destroyed gloo group and its threads alive until then, and tearing them down while the
+    # interpreter finalises can abort the process ("terminate called without an active
+    # exception"). Result and output are already saved.
+    os._exit(1 if failed else 0)
 
 
 def _exit_with_parent() -> None:

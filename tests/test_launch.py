@@ -89,6 +89,14 @@ def test_a_raising_rank_is_named_with_its_traceback():
     assert launch(_workers.whoami, "again", world_size=1, threads=2)[0]["threads"] == 2
 
 
+def test_ranks_end_without_python_shutdown_where_gloo_threads_could_abort_them(tmp_path):
+    # torch keeps a destroyed gloo group's threads alive until shutdown once an optimizer
+    # exists; shutting down with them can abort a rank (SIGABRT) after its result is saved
+    at_exit = tmp_path / "at-exit-of-rank-"
+    assert launch(_workers.optimizer_and_atexit, str(at_exit), backend="gloo") == [0, 1]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_hanging_rank_ends_in_a_timeout_error_naming_the_running_ranks():
     timeout = 8.0
     start = time.monotonic()
