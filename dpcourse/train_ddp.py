@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 import time
 from datetime import timedelta
 from itertools import islice
@@ -207,3 +208,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip Python's shutdown, where torch's leftover gloo threads can abort (launch.py)
