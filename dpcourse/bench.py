@@ -177,6 +177,8 @@ def bench_processes(repeats: int, sweeps: dict[int, dict], steps: int, figures: 
           + ", ".join(f"{name} {rate:.0f} images/s" for name, rate in pt.items()))
     for name in ("2 processes x 1 thread", "2 processes x 1 thread, shm"):
         print(f"  {name} / 1 process x 2 threads {verdict(pt[name] / threads, 1.3)}")
+    print(f"  bound: no allreduce x{pt['2 processes x 1 thread, no allreduce'] / threads:.2f}; "
+          f"2 threads are x{threads / pt['1 process x 1 thread']:.2f} as fast as 1")
     figures.update({"ddp_images_per_s": ddp, "processes_and_threads_images_per_s": pt})
 
 

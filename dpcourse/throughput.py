@@ -202,23 +202,26 @@ def gpu_scaling(steps: int = 50, batch_size: int = 128, timeout: float = 120.0) 
 def processes_and_threads_on_rank(steps: int, global_batch: int,
                                   repeats: int) -> dict[str, float]:
     """Global images/s of LeNet training, alternately: rank 0 alone on global_batch images
-    with 2 threads while rank 1 sleeps in a barrier, then both ranks on global_batch/2 images
-    each, 1 thread each, with torch's DDP, then with ScratchDDP over shared memory; repeats
-    rounds (median), after a warm-up."""
+    with 1, then 2 threads while rank 1 sleeps in a barrier; then both ranks on
+    global_batch/2 images each, 1 thread each: with no communication at all (the bound),
+    with torch's DDP, and with ScratchDDP over shared memory; repeats rounds (median), after
+    a warm-up."""
     rank = dist.get_rank()
     alone = train_step_fn(lenet_model(), global_batch, seed=0)
     together = {name: train_step_fn(model, global_batch // 2, seed=rank) for name, model in (
+        ("2 processes x 1 thread, no allreduce", lenet_model()),
         ("2 processes x 1 thread", nn.parallel.DistributedDataParallel(lenet_model())),
         ("2 processes x 1 thread, shm", ScratchDDP(lenet_model(), shm=True)))}
 
-    def one_process(n: int) -> float:  # rank 1 waits in the barrier that follows
-        torch.set_num_threads(2)
+    def one_process(threads: int, n: int) -> float:  # rank 1 waits in the barrier that follows
+        torch.set_num_threads(threads)
         seconds = timed_steps(alone, n if rank == 0 else 0)
         torch.set_num_threads(1)
         dist.barrier()
         return seconds
 
-    cases = {"1 process x 2 threads": one_process,
+    cases = {"1 process x 1 thread": partial(one_process, 1),
+             "1 process x 2 threads": partial(one_process, 2),
              **{name: partial(timed_steps, step) for name, step in together.items()}}
     for case in cases.values():
         case(WARMUP_STEPS)
@@ -229,13 +232,14 @@ def processes_and_threads_on_rank(steps: int, global_batch: int,
 
 def compare_processes_and_threads(steps: int = 20, global_batch: int = 256, repeats: int = 3,
                                   timeout: float = 120.0) -> dict[str, float]:
-    """LeNet images/s of "1 process x 2 threads" (global_batch images per step) against
-    "2 processes x 1 thread" (torch's DDP, global_batch/2 images each) and "2 processes x 1
-    thread, shm" (ScratchDDP with chapter 08's shared-memory allreduce), measured in one
-    launch of 2 processes, alternated in repeats rounds (median).
+    """LeNet images/s, measured in one launch of 2 processes, alternated in repeats rounds
+    (median): "1 process x 1 thread" and "1 process x 2 threads" (global_batch images per
+    step) against 2 processes x 1 thread (global_batch/2 images each): "..., no allreduce"
+    (each trains alone: the most processes can give), "2 processes x 1 thread" (torch's DDP)
+    and "..., shm" (ScratchDDP with chapter 08's shared-memory allreduce).
 
     One launch rather than one per configuration: starting processes takes seconds, and
-    rounds within one launch compare the two under the same machine load. While rank 0
+    rounds within one launch compare them under the same machine load. While rank 0
     trains alone, rank 1 sleeps in a barrier and uses no core.
     """
     if global_batch < 2 or global_batch % 2:

@@ -147,8 +147,8 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
     monkeypatch.setattr(bench, "compare_ddp", lambda **k: dict.fromkeys(
         list(throughput.DDP_VARIANTS), 1.0))
     monkeypatch.setattr(bench, "compare_processes_and_threads", lambda **k: dict.fromkeys(
-        ["1 process x 2 threads", "2 processes x 1 thread", "2 processes x 1 thread, shm"],
-        1.0))
+        ["1 process x 1 thread", "1 process x 2 threads", "2 processes x 1 thread, no allreduce",
+         "2 processes x 1 thread", "2 processes x 1 thread, shm"], 1.0))
     zero = {stage: {"seconds_per_step": 0.01, "optimizer_state_bytes": [8, 4],
                     "gradient_bytes": [4, 2]} for stage in ("ddp", "zero1", "zero2")}
     monkeypatch.setattr(memory, "compare_zero", lambda *a, **k: zero)
