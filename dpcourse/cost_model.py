@@ -127,25 +127,41 @@ def check_backward(model_bytes: float, backward_seconds: float) -> None:
         raise ValueError(f"backward_seconds must be finite and >= 0, got {backward_seconds}")
 
 
-def bucket_finish_times(model_bytes: float, backward_seconds: float, bucket_bytes: float,
+def layout_finish_times(bucket_bytes: Sequence[float], backward_seconds: float,
                         cost: AlphaBeta) -> list[float]:
     """When each bucket's allreduce finishes, backward starting at 0 and lasting backward_seconds.
 
-    Backward produces model_bytes of gradients at a uniform rate; bucket k (1, 2, ...) holds
-    bytes up to min(k b, M) and is ready when they are; the allreduces, cost.time(size) each,
-    run one after another in order: finish_k = max(ready_k, finish_{k-1}) + cost.time(b_k).
+    Backward produces the gradients, sum(bucket_bytes) bytes, at a uniform rate and fills the
+    buckets in order; bucket k is ready when its last byte is; the allreduces, cost.time(size)
+    each, run one after another in order: finish_k = max(ready_k, finish_{k-1}) + cost.time(b_k).
     """
-    check_backward(model_bytes, backward_seconds)
+    for size in bucket_bytes:
+        check_bytes(size, "every bucket size")
+    total = sum(bucket_bytes)
+    check_backward(total, backward_seconds)
+    finish, done, finishes = 0.0, 0.0, []
+    for size in bucket_bytes:
+        done += size
+        ready = done / total * backward_seconds if total else 0.0
+        finish = max(ready, finish) + cost.time(size)
+        finishes.append(finish)
+    return finishes
+
+
+def equal_buckets(model_bytes: float, bucket_bytes: float) -> list[float]:
+    """model_bytes cut into buckets of bucket_bytes, the last one holding what is left."""
+    check_bytes(model_bytes, "model_bytes")
     if not (math.isfinite(bucket_bytes) and bucket_bytes > 0):
         raise ValueError(f"bucket_bytes must be finite and > 0, got {bucket_bytes}")
-    finish, start, finishes = 0.0, 0.0, []
-    for k in range(1, math.ceil(model_bytes / bucket_bytes) + 1):
-        end = min(k * bucket_bytes, model_bytes)
-        ready = end / model_bytes * backward_seconds
-        finish = max(ready, finish) + cost.time(end - start)
-        finishes.append(finish)
-        start = end
-    return finishes
+    return [min(bucket_bytes, model_bytes - k * bucket_bytes)
+            for k in range(math.ceil(model_bytes / bucket_bytes))]
+
+
+def bucket_finish_times(model_bytes: float, backward_seconds: float, bucket_bytes: float,
+                        cost: AlphaBeta) -> list[float]:
+    """layout_finish_times of model_bytes in equal buckets of bucket_bytes."""
+    check_backward(model_bytes, backward_seconds)
+    return layout_finish_times(equal_buckets(model_bytes, bucket_bytes), backward_seconds, cost)
 
 
 def exposed_communication(model_bytes: float, backward_seconds: float, bucket_bytes: float,
@@ -158,8 +174,35 @@ def exposed_communication(model_bytes: float, backward_seconds: float, bucket_by
     with b), and an allreduce slower than producing a bucket adds a backlog per bucket (many
     alphas when b is small).
     """
-    finishes = bucket_finish_times(model_bytes, backward_seconds, bucket_bytes, cost)
+    check_backward(model_bytes, backward_seconds)
+    return layout_exposed_communication(equal_buckets(model_bytes, bucket_bytes),
+                                        backward_seconds, cost)
+
+
+def layout_exposed_communication(bucket_bytes: Sequence[float], backward_seconds: float,
+                                 cost: AlphaBeta) -> float:
+    """exposed_communication of buckets of the given sizes, in the order backward fills them
+    (a real model's: a bucket cap cannot cut a parameter)."""
+    finishes = layout_finish_times(bucket_bytes, backward_seconds, cost)
     return finishes[-1] - backward_seconds if finishes else 0.0
+
+
+def cost_during_backward(link: AlphaBeta, comm_seconds: float, buckets: int,
+                         gradient_bytes: float) -> AlphaBeta:
+    """link's alpha, with the beta that makes buckets allreduces of gradient_bytes in all take
+    comm_seconds, as measured during backward (never below link's beta).
+
+    On a CPU host the allreduces compete with backward for the cores, so while it runs they
+    are slower than alone: a model of overlap there needs their speed during backward.
+    """
+    check_bytes(gradient_bytes, "gradient_bytes")
+    if not (gradient_bytes > 0 and isinstance(buckets, int) and buckets >= 1):
+        raise ValueError(f"need at least one bucket and some bytes, got {buckets} bucket(s) "
+                         f"of {gradient_bytes} bytes in all")
+    if not (math.isfinite(comm_seconds) and comm_seconds >= 0):
+        raise ValueError(f"comm_seconds must be finite and >= 0, got {comm_seconds}")
+    beta = (comm_seconds - buckets * link.alpha) / gradient_bytes
+    return AlphaBeta(link.alpha, max(beta, link.beta))
 
 
 def best_bucket_size(model_bytes: float, backward_seconds: float, cost: AlphaBeta,

@@ -259,6 +259,8 @@ def bucket_sweep_on_rank(caps_mb: list[float], steps: int, batch_size: int,
     return {"step_seconds": medians(order, seconds[:len(order)]),
             "backward_seconds": medians([0] * repeats, seconds[len(order):])[0],
             "buckets": {cap: len(w.buckets) for cap, w in wrappers.items()},
+            "bucket_bytes": {cap: [sum(p.numel() * p.element_size() for p in b.params)
+                                   for b in w.buckets] for cap, w in wrappers.items()},
             "gradient_bytes": gradient_bytes(net)}
 
 
@@ -271,7 +273,8 @@ def bucket_sweep(caps_mb: Sequence[float] = (1 / 1024, 1 / 16, 4.0, 64.0), steps
     so caps from 1 KiB to 64 MiB give from dozens of buckets down to one, while tiny images
     keep a step short (LeNet's 0.49 MiB of gradients make one bucket from a 0.5 MiB cap).
     Returns "step_seconds" {cap: s}, "backward_seconds" (backward inside no_sync(), the
-    input cost_model.best_bucket_size needs), "buckets" {cap: count} and "gradient_bytes".
+    input the bucket model needs), "buckets" {cap: count}, "bucket_bytes" {cap: [bytes of
+    each bucket, in the order backward fills them]} and "gradient_bytes".
     Buffers are not re-broadcast, so only the buckets differ.
     """
     return launch(bucket_sweep_on_rank, list(caps_mb), steps, batch_size, repeats,

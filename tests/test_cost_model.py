@@ -183,6 +183,37 @@ def test_bucket_model_rejects_invalid_sizes_and_times(args, message):
         cost_model.exposed_communication(*args, AlphaBeta(0.1, 0.1))
 
 
+def test_unequal_buckets_by_hand():
+    # buckets of 6 then 4 bytes (a cap cannot cut a parameter), backward 1 s, allreduce
+    # 0.1 + 0.1 * size s: ready at 0.6 and 1.0 s; finish_1 = 0.6 + 0.7 = 1.3;
+    # finish_2 = max(1.0, 1.3) + 0.5 = 1.8: exposed 0.8 s
+    cost = AlphaBeta(0.1, 0.1)
+    assert cost_model.layout_finish_times([6, 4], 1.0, cost) == pytest.approx([1.3, 1.8],
+                                                                             rel=1e-12)
+    assert cost_model.layout_exposed_communication([6, 4], 1.0, cost) == pytest.approx(
+        0.8, rel=1e-12)
+    assert cost_model.layout_exposed_communication([], 1.0, cost) == 0.0
+    with pytest.raises(ValueError, match="every bucket size"):
+        cost_model.layout_finish_times([4, -1], 1.0, cost)
+
+
+def test_equal_buckets_leave_the_rest_to_the_last():
+    assert cost_model.equal_buckets(10, 4) == [4, 4, 2]
+    assert cost_model.equal_buckets(8, 4) == [4, 4]
+    assert cost_model.equal_buckets(0, 4) == []
+
+
+def test_cost_during_backward_by_hand():
+    # 2 buckets of 100 bytes in all took 0.5 s during backward; alpha 0.01 s:
+    # beta = (0.5 - 2 * 0.01) / 100 = 0.0048 s per byte
+    slow = cost_model.cost_during_backward(AlphaBeta(0.01, 1e-3), 0.5, 2, 100)
+    assert slow.alpha == 0.01 and slow.beta == pytest.approx(0.0048, rel=1e-12)
+    # faster than the allreduce alone: no faster than alone
+    assert cost_model.cost_during_backward(AlphaBeta(0.01, 1e-3), 0.05, 2, 100).beta == 1e-3
+    with pytest.raises(ValueError, match="at least one bucket"):
+        cost_model.cost_during_backward(AlphaBeta(0.01, 1e-3), 0.5, 0, 100)
+
+
 def test_best_bucket_size_needs_a_candidate():
     with pytest.raises(ValueError, match="at least one candidate"):
         cost_model.best_bucket_size(10, 1.0, AlphaBeta(0.1, 0.1), [])

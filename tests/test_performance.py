@@ -120,6 +120,10 @@ def test_bucket_sweep_gives_a_step_time_per_cap_and_what_the_model_needs(buckets
     assert buckets["buckets"][1 / 1024] > 1
     assert buckets["gradient_bytes"] == 4 * sum(
         p.numel() for p in performance.resnet18_model().parameters())
+    for cap, sizes in buckets["bucket_bytes"].items():
+        assert len(sizes) == buckets["buckets"][cap]
+        assert sum(sizes) == buckets["gradient_bytes"]
+    assert buckets["bucket_bytes"][64.0] == [buckets["gradient_bytes"]]
 
 
 def test_scaling_gives_images_per_second_and_efficiency_per_world(scaled):
