@@ -12,6 +12,7 @@ finds ``fn`` by importing its module, and a notebook's ``__main__`` cannot be im
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import multiprocessing as mp
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -195,13 +196,25 @@ def _run_rank(fn: Callable[..., Any], args: tuple, spec: _Rank) -> None:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - the first error is the one that matters
                 pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-    # End now, without Python's shutdown: once an optimizer has been built, torch keeps even a
-    # destroyed gloo group and its threads alive until then, and tearing them down while the
-    # interpreter finalises can abort the process ("terminate called without an active
-    # exception"). Result and output are already saved.
-    os._exit(1 if failed else 0)
+    exit_without_shutdown(1 if failed else 0)  # result or error already saved
+
+
+def exit_without_shutdown(code: int) -> NoReturn:
+    """End this process now, skipping Python's shutdown, after flushing Python's and C's
+    output and ending the processes it started, as a normal exit would.
+
+    Once an optimizer has been built, torch keeps even a destroyed gloo group and its threads
+    alive until shutdown, and tearing them down while the interpreter finalises can abort the
+    process ("terminate called without an active exception").
+    """
+    for child in mp.active_children():
+        child.terminate()
+        child.join(timeout=5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name == "posix":
+        ctypes.CDLL(None).fflush(None)  # C's buffers: full, not line, buffered into a file
+    os._exit(code)
 
 
 def _exit_with_parent() -> None:

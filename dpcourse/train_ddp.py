@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import time
+import traceback
 from datetime import timedelta
 from itertools import islice
 from pathlib import Path
@@ -31,6 +31,7 @@ from .checkpoint import unwrap
 from .concise import make_resnet18
 from .data import SOURCES, Images, fashion_mnist, resolve_source
 from .ddp import ScratchDDP
+from .launch import exit_without_shutdown
 from .lenet import lenet_model
 
 
@@ -207,7 +208,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip Python's shutdown, where torch's leftover gloo threads can abort (launch.py)
+    try:
+        main()
+    except SystemExit:  # argparse's --help or a usage error: no group yet, exit as usual
+        raise
+    except BaseException:  # noqa: BLE001 - reported here, then the same exit as success
+        traceback.print_exc()
+        exit_without_shutdown(1)
+    exit_without_shutdown(0)

@@ -97,6 +97,12 @@ def test_ranks_end_without_python_shutdown_where_gloo_threads_could_abort_them(t
     assert list(tmp_path.iterdir()) == []
 
 
+def test_what_a_rank_prints_from_c_is_replayed_too(capsys, monkeypatch):
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # C's stdout: buffered in the file
+    assert launch(_workers.print_from_c, "printf reached the parent", backend="gloo") == [0, 1]
+    assert capsys.readouterr().out.count("printf reached the parent") == 2
+
+
 def test_a_hanging_rank_ends_in_a_timeout_error_naming_the_running_ranks():
     timeout = 8.0
     start = time.monotonic()
