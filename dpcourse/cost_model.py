@@ -142,7 +142,7 @@ def layout_finish_times(bucket_bytes: Sequence[float], backward_seconds: float,
     finish, done, finishes = 0.0, 0.0, []
     for size in bucket_bytes:
         done += size
-        ready = done / total * backward_seconds if total else 0.0
+        ready = done / total * backward_seconds if total else backward_seconds
         finish = max(ready, finish) + cost.time(size)
         finishes.append(finish)
     return finishes
@@ -153,14 +153,14 @@ def equal_buckets(model_bytes: float, bucket_bytes: float) -> list[float]:
     check_bytes(model_bytes, "model_bytes")
     if not (math.isfinite(bucket_bytes) and bucket_bytes > 0):
         raise ValueError(f"bucket_bytes must be finite and > 0, got {bucket_bytes}")
-    return [min(bucket_bytes, model_bytes - k * bucket_bytes)
-            for k in range(math.ceil(model_bytes / bucket_bytes))]
+    sizes = [min(bucket_bytes, model_bytes - k * bucket_bytes)
+             for k in range(math.ceil(model_bytes / bucket_bytes))]
+    return [size for size in sizes if size > 0]  # rounding can leave an empty last piece
 
 
 def bucket_finish_times(model_bytes: float, backward_seconds: float, bucket_bytes: float,
                         cost: AlphaBeta) -> list[float]:
     """layout_finish_times of model_bytes in equal buckets of bucket_bytes."""
-    check_backward(model_bytes, backward_seconds)
     return layout_finish_times(equal_buckets(model_bytes, bucket_bytes), backward_seconds, cost)
 
 
@@ -174,7 +174,6 @@ def exposed_communication(model_bytes: float, backward_seconds: float, bucket_by
     with b), and an allreduce slower than producing a bucket adds a backlog per bucket (many
     alphas when b is small).
     """
-    check_backward(model_bytes, backward_seconds)
     return layout_exposed_communication(equal_buckets(model_bytes, bucket_bytes),
                                         backward_seconds, cost)
 
@@ -187,13 +186,14 @@ def layout_exposed_communication(bucket_bytes: Sequence[float], backward_seconds
     return finishes[-1] - backward_seconds if finishes else 0.0
 
 
-def cost_during_backward(link: AlphaBeta, comm_seconds: float, buckets: int,
-                         gradient_bytes: float) -> AlphaBeta:
-    """link's alpha, with the beta that makes buckets allreduces of gradient_bytes in all take
-    comm_seconds, as measured during backward (never below link's beta).
+def cost_in_step(alone: AlphaBeta, comm_seconds: float, buckets: int,
+                 gradient_bytes: float) -> AlphaBeta:
+    """The allreduce's cost inside a DDP step: alone's alpha, with the beta that makes buckets
+    allreduces of gradient_bytes in all take comm_seconds (step_anatomy's comm_s), never
+    below alone's beta.
 
-    On a CPU host the allreduces compete with backward for the cores, so while it runs they
-    are slower than alone: a model of overlap there needs their speed during backward.
+    alone is fitted to allreduces timed by themselves; inside a step they also wait for the
+    slower rank and, on a CPU host, share the cores with backward, so they can be slower.
     """
     check_bytes(gradient_bytes, "gradient_bytes")
     if not (gradient_bytes > 0 and isinstance(buckets, int) and buckets >= 1):
@@ -201,8 +201,8 @@ def cost_during_backward(link: AlphaBeta, comm_seconds: float, buckets: int,
                          f"of {gradient_bytes} bytes in all")
     if not (math.isfinite(comm_seconds) and comm_seconds >= 0):
         raise ValueError(f"comm_seconds must be finite and >= 0, got {comm_seconds}")
-    beta = (comm_seconds - buckets * link.alpha) / gradient_bytes
-    return AlphaBeta(link.alpha, max(beta, link.beta))
+    beta = (comm_seconds - buckets * alone.alpha) / gradient_bytes
+    return AlphaBeta(alone.alpha, max(beta, alone.beta))
 
 
 def best_bucket_size(model_bytes: float, backward_seconds: float, cost: AlphaBeta,

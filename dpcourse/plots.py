@@ -582,7 +582,7 @@ def show_bucket_sweep(step_seconds: dict[float, float],
                       models: dict[str, dict[float, float]]) -> None:
     """Measured seconds per step against the bucket cap (MiB), next to each model's seconds
     (label -> {cap: s}, backward and communication only); the best of each marked with a star."""
-    fig, ax = plt.subplots(figsize=(5, 2.5))
+    fig, ax = plt.subplots(figsize=(6.2, 2.5))
     caps = [c * 2**20 for c in step_seconds]
     for (label, values), color in zip({"measured step": step_seconds, **models}.items(),
                                       plt.cm.tab10.colors):
@@ -595,7 +595,7 @@ def show_bucket_sweep(step_seconds: dict[float, float],
     ax.set_title("ResNet-18, ScratchDDP, 2 processes: bucket cap against step time (stars: "
                  "the best)\nmodels: backward + exposed communication, no forward or optimizer",
                  fontsize=8)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the curves
     fig.tight_layout()
     _display_compact(fig)
 

@@ -201,17 +201,33 @@ def test_equal_buckets_leave_the_rest_to_the_last():
     assert cost_model.equal_buckets(10, 4) == [4, 4, 2]
     assert cost_model.equal_buckets(8, 4) == [4, 4]
     assert cost_model.equal_buckets(0, 4) == []
+    assert cost_model.equal_buckets(0.1 + 0.2, 0.1) == pytest.approx([0.1, 0.1, 0.1])  # no 0.0
 
 
-def test_cost_during_backward_by_hand():
-    # 2 buckets of 100 bytes in all took 0.5 s during backward; alpha 0.01 s:
-    # beta = (0.5 - 2 * 0.01) / 100 = 0.0048 s per byte
-    slow = cost_model.cost_during_backward(AlphaBeta(0.01, 1e-3), 0.5, 2, 100)
+def test_cost_in_step_by_hand():
+    # 2 buckets of 100 bytes in all took 0.5 s inside a step; alpha 0.01 s:
+    # beta = (0.5 - 2 * 0.01) / 100 = 0.0048 s per byte, which gives back the 0.5 s
+    alone = AlphaBeta(0.01, 1e-3)
+    slow = cost_model.cost_in_step(alone, 0.5, 2, 100)
     assert slow.alpha == 0.01 and slow.beta == pytest.approx(0.0048, rel=1e-12)
-    # faster than the allreduce alone: no faster than alone
-    assert cost_model.cost_during_backward(AlphaBeta(0.01, 1e-3), 0.05, 2, 100).beta == 1e-3
-    with pytest.raises(ValueError, match="at least one bucket"):
-        cost_model.cost_during_backward(AlphaBeta(0.01, 1e-3), 0.5, 0, 100)
+    assert 2 * slow.alpha + 100 * slow.beta == pytest.approx(0.5, rel=1e-12)
+    # faster than alone (even less than the alphas): as fast as alone
+    assert cost_model.cost_in_step(alone, 0.05, 2, 100) == alone
+    assert cost_model.cost_in_step(alone, 0.001, 2, 100) == alone
+
+
+@pytest.mark.parametrize("args, message", [
+    ((0.5, 0, 100), "at least one bucket"), ((0.5, 2, 0), "at least one bucket"),
+    ((float("nan"), 2, 100), "comm_seconds"), ((-0.1, 2, 100), "comm_seconds")])
+def test_cost_in_step_rejects_nonsense(args, message):
+    with pytest.raises(ValueError, match=message):
+        cost_model.cost_in_step(AlphaBeta(0.01, 1e-3), *args)
+
+
+def test_empty_buckets_are_ready_when_backward_ends():
+    # no bytes to produce: nothing is ready before backward ends, each bucket costs alpha
+    cost = AlphaBeta(0.01, 1.0)
+    assert cost_model.layout_exposed_communication([0, 0], 1.0, cost) == pytest.approx(0.02)
 
 
 def test_best_bucket_size_needs_a_candidate():

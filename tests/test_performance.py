@@ -124,6 +124,9 @@ def test_bucket_sweep_gives_a_step_time_per_cap_and_what_the_model_needs(buckets
         assert len(sizes) == buckets["buckets"][cap]
         assert sum(sizes) == buckets["gradient_bytes"]
     assert buckets["bucket_bytes"][64.0] == [buckets["gradient_bytes"]]
+    # backward fills the buckets from the last parameter: a 1 KiB cap gives it one of its own
+    last = list(performance.resnet18_model().parameters())[-1]
+    assert buckets["bucket_bytes"][1 / 1024][0] == 4 * last.numel()
 
 
 def test_scaling_gives_images_per_second_and_efficiency_per_world(scaled):

@@ -47,7 +47,7 @@ def test_compare_ddp_gives_images_per_second_of_each_variant():
     assert_rates(rates, ["ScratchDDP", "ScratchDDP, ring", "ScratchDDP, shm", "torch DDP"])
 
 
-def test_compare_processes_and_threads_gives_both_images_per_second():
+def test_compare_processes_and_threads_gives_images_per_second_of_every_configuration():
     rates = throughput.compare_processes_and_threads(steps=2, global_batch=16, repeats=1,
                                                      timeout=60)
     assert_rates(rates, ["1 process x 1 thread", "1 process x 2 threads",
