@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import multiprocessing as mp
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -44,6 +45,13 @@ def print_from_c(text: str) -> int:
     """Print text through C's stdio (as a C++ extension would); return the rank."""
     ctypes.CDLL(None).printf(b"%s\n", text.encode())
     return dist.get_rank()
+
+
+def start_a_sleeper() -> int:
+    """Start a daemonic child process that sleeps for a minute; return its pid."""
+    child = mp.get_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)
+    child.start()
+    return child.pid
 
 
 def fail_on(bad_rank: int) -> int:

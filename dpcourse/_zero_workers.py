@@ -11,19 +11,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import zero_demos
 from ._workers import tied_net
 from .ddp import ScratchDDP
 from .memory import measured_bytes
 from .zero import ShardedOptimizer
 
 STEPS = 10
+ACCUMULATION_STEPS = 4
 UNUSED_STEP = 3  # the step in which TiedNet.sometimes gets no gradient
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "SGD": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     "Adam": (torch.optim.Adam, {"lr": 0.01}),
     "AdamW": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
 }
-STAGES = ("ddp", "zero1", "zero2")
+STAGE_WAYS = {"ddp": "AdamW", "zero1": "ZeRO-1", "zero2": "ZeRO-2"}  # zero_demos' names
+STAGES = tuple(STAGE_WAYS)
 ACCUMULATIONS = {"both synchronised": (True, True), "no_sync first": (False, True),
                  "no_sync between": (True, False, True)}  # which micro-batches synchronise
 
@@ -182,27 +185,19 @@ def frozen_balance() -> dict:
     params = [nn.Parameter(torch.zeros(n), requires_grad=not f) for n, f in zip(sizes, frozen)]
     opt = ShardedOptimizer(params, torch.optim.AdamW, lr=0.01)
     return {"trainable_loads": [sum(p.numel() for p in opt.shard(r) if p.requires_grad)
-                                for r in range(dist.get_world_size())],
-            "largest_trainable": 600}
+                                for r in range(dist.get_world_size())]}
 
 
 def optimizer_for(stage: str, ddp: ScratchDDP) -> torch.optim.Optimizer:
-    """AdamW over ddp's parameters: plain ("ddp"), sharded ("zero1"), sharded with the
-    gradients reduce-scattered ("zero2")."""
-    cls, kwargs = OPTIMIZERS["AdamW"]
-    if stage == "ddp":
-        return cls(ddp.parameters(), **kwargs)
-    opt = ShardedOptimizer(ddp.parameters(), cls, **kwargs)
-    if stage == "zero2":
-        ddp.shard_gradients(opt)
-    return opt
+    """zero_demos' AdamW over ddp's parameters for stage, with OPTIMIZERS' AdamW settings."""
+    return zero_demos.optimizer_for(STAGE_WAYS[stage], ddp, **OPTIMIZERS["AdamW"][1])
 
 
 def zero2_against_zero1(bucket_cap_mb: float, model_name: str = "tied") -> dict:
     """AdamW on model_name initialised differently on every rank, with each rank's share of
     the batches: plain AdamW after ScratchDDP, ZeRO-1 (ScratchDDP + ShardedOptimizer) and
     ZeRO-2 (the same, with shard_gradients); the gradients each holds after the last
-    backward, and (bucket collectives, buckets)."""
+    backward."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
     for stage in STAGES:
@@ -217,14 +212,14 @@ def zero2_against_zero1(bucket_cap_mb: float, model_name: str = "tied") -> dict:
         out[stage]["params"] = flat(ddp)
         if stage != "ddp":
             out[stage]["owners"] = [opt.owner(p) for p in params]
-        out[stage]["collectives"] = (ddp.allreduces, len(ddp.buckets))
     out["trainable"] = [p.requires_grad for p in params]
     return out
 
 
-def accumulation(synced: tuple[bool, ...], steps: int = 4) -> dict:
-    """steps steps of AdamW, each accumulating len(synced) micro-batches (those not synced
-    under no_sync; TiedNet.sometimes unused in one micro-batch of step 1), under each stage:
+def accumulation(synced: tuple[bool, ...]) -> dict:
+    """ACCUMULATION_STEPS steps of AdamW, each accumulating len(synced) micro-batches (those
+    not synced under no_sync; TiedNet.sometimes unused in one micro-batch of step 1), under
+    each stage:
     parameters after each step, and the gradients before the last step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
@@ -232,7 +227,7 @@ def accumulation(synced: tuple[bool, ...], steps: int = 4) -> dict:
         ddp = ScratchDDP(tied_net(seed=rank), 0.0)
         opt = optimizer_for(stage, ddp)
         after = []
-        for step in range(steps):
+        for step in range(ACCUMULATION_STEPS):
             opt.zero_grad()
             for micro, sync in enumerate(synced):
                 with nullcontext() if sync else ddp.no_sync():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -158,12 +158,6 @@ def equal_buckets(model_bytes: float, bucket_bytes: float) -> list[float]:
     return [size for size in sizes if size > 0]  # rounding can leave an empty last piece
 
 
-def bucket_finish_times(model_bytes: float, backward_seconds: float, bucket_bytes: float,
-                        cost: AlphaBeta) -> list[float]:
-    """layout_finish_times of model_bytes in equal buckets of bucket_bytes."""
-    return layout_finish_times(equal_buckets(model_bytes, bucket_bytes), backward_seconds, cost)
-
-
 def exposed_communication(model_bytes: float, backward_seconds: float, bucket_bytes: float,
                           cost: AlphaBeta) -> float:
     """Seconds by which the buckets' allreduces extend the step beyond backward.
@@ -212,10 +206,18 @@ def best_bucket_size(model_bytes: float, backward_seconds: float, cost: AlphaBet
     When backward outpaces the network (M beta' < backward), the best size is the smallest
     whose allreduce is no slower than producing it: b* = alpha' M / (backward - M beta').
     """
-    if not candidates:
-        raise ValueError("best_bucket_size needs at least one candidate bucket size")
-    return min(candidates, key=lambda b: exposed_communication(model_bytes, backward_seconds,
-                                                                b, cost))
+    return best_layout({b: equal_buckets(model_bytes, b) for b in candidates},
+                       backward_seconds, cost)
+
+
+def best_layout(layouts: Mapping[float, Sequence[float]], backward_seconds: float,
+                cost: AlphaBeta) -> float:
+    """The key of layouts (e.g. a bucket cap -> the sizes of its buckets) whose buckets
+    expose the least communication (the first, on ties)."""
+    if not layouts:
+        raise ValueError("the best bucket size needs at least one candidate")
+    return min(layouts, key=lambda key: layout_exposed_communication(layouts[key],
+                                                                    backward_seconds, cost))
 
 
 def predict_ddp_overhead(model_bytes: float, p: int, link_bandwidth_bytes_per_s: float,

@@ -201,7 +201,8 @@ def _run_rank(fn: Callable[..., Any], args: tuple, spec: _Rank) -> None:
 
 def exit_without_shutdown(code: int) -> NoReturn:
     """End this process now, skipping Python's shutdown, after flushing Python's and C's
-    output and ending the processes it started, as a normal exit would.
+    output and ending the processes it started (shutdown would end the daemonic ones and
+    wait for the others; a rank is done, so none is left running).
 
     Once an optimizer has been built, torch keeps even a destroyed gloo group and its threads
     alive until shutdown, and tearing them down while the interpreter finalises can abort the

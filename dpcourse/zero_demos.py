@@ -13,7 +13,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from .data_parallel import max_relative_difference
 from .ddp import ScratchDDP
 from .lenet import lenet_model
-from .memory import measured_bytes
+from .memory import measured_bytes, train_step
 from .zero import ShardedOptimizer
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -43,9 +43,7 @@ def train_on_shards(model: nn.Module, opt: torch.optim.Optimizer,
     rank, world = dist.get_rank(), dist.get_world_size()
     after = []
     for X, y in batches:
-        opt.zero_grad()
-        F.cross_entropy(model(X.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-        opt.step()
+        train_step(model, opt, X.chunk(world)[rank], y.chunk(world)[rank])
         after.append([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                       for p in model.parameters()])
     return after

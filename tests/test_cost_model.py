@@ -116,24 +116,25 @@ def test_allreduce_cost_rejects_bad_ranks_or_algorithm(p, algorithm, message):
 
 # --- the bucket-size model -----------------------------------------------------------------------
 
-def test_bucket_finish_times_of_a_backlogged_network_by_hand():
+def test_finish_times_of_a_backlogged_network_by_hand():
     # M = 10 bytes, backward 1 s, b = 4: buckets of 4, 4, 2 bytes ready at 0.4, 0.8, 1.0 s,
     # each reduced in 0.1 + 0.1 * size s = 0.5, 0.5, 0.3 s:
     # finish_1 = 0.4 + 0.5 = 0.9; finish_2 = max(0.8, 0.9) + 0.5 = 1.4;
     # finish_3 = max(1.0, 1.4) + 0.3 = 1.7: communication extends backward by 0.7 s.
     cost = AlphaBeta(0.1, 0.1)
-    assert cost_model.bucket_finish_times(10, 1.0, 4, cost) == pytest.approx([0.9, 1.4, 1.7],
-                                                                             rel=1e-12)
+    buckets = cost_model.equal_buckets(10, 4)
+    assert cost_model.layout_finish_times(buckets, 1.0, cost) == pytest.approx([0.9, 1.4, 1.7],
+                                                                               rel=1e-12)
     assert cost_model.exposed_communication(10, 1.0, 4, cost) == pytest.approx(0.7, rel=1e-12)
 
 
-def test_bucket_finish_times_when_the_network_waits_for_buckets_by_hand():
+def test_finish_times_when_the_network_waits_for_buckets_by_hand():
     # same buckets, reduced in 0.05 + 0.05 * size s = 0.25, 0.25, 0.15 s:
     # finish_1 = 0.4 + 0.25 = 0.65; finish_2 = max(0.8, 0.65) + 0.25 = 1.05;
     # finish_3 = max(1.0, 1.05) + 0.15 = 1.2: exposed 0.2 s.
     cost = AlphaBeta(0.05, 0.05)
-    assert cost_model.bucket_finish_times(10, 1.0, 4, cost) == pytest.approx(
-        [0.65, 1.05, 1.2], rel=1e-12)
+    assert cost_model.layout_finish_times(cost_model.equal_buckets(10, 4), 1.0, cost) == (
+        pytest.approx([0.65, 1.05, 1.2], rel=1e-12))
     assert cost_model.exposed_communication(10, 1.0, 4, cost) == pytest.approx(0.2, rel=1e-12)
 
 

@@ -2,7 +2,7 @@
 references agree with cost_model's formulas and with its bucket simulation."""
 import pytest
 
-from dpcourse import cost_model
+from dpcourse import cost_model, performance
 from dpcourse.cost_model import AlphaBeta
 from dpcourse.exercises.ch08 import (BUCKET_BACKWARD_S, BUCKET_COST, BUCKET_MODEL_BYTES,
                                      CROSSOVER_LINK, CROSSOVER_RANKS, PREDICT_BYTES,
@@ -50,7 +50,7 @@ def test_prediction_explains_bytes_alpha_units_and_mib(capsys, answer, reason):
 def test_the_size_to_predict_is_not_one_the_sweep_measures():
     assert PREDICT_BYTES % 4 == 0
     numel = PREDICT_BYTES // 4
-    assert numel not in [4**k * 1024 for k in range(8)]
+    assert numel not in performance.SWEEP_NUMELS
 
 
 # --- exercise 2: where the ring overtakes the tree -----------------------------------------

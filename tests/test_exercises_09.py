@@ -121,6 +121,7 @@ def test_traffic_accepts_the_ring_law(capsys):
      {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}[s] * n, "not all"),
     (lambda s, n, k: (k - 1) * n / k, "a reduce-scatter plus an all-gather"),
     (lambda s, n, k: "840", "the ring sends"),
+    (lambda s, n, k: 0 if k == 1 else None, "return a number"),
 ])
 def test_traffic_explains_stage_by_stage(capsys, wrong, reason):
     check_traffic(wrong)

@@ -1,5 +1,6 @@
 """launch: values in rank order, clear errors for failing and hanging ranks, no process left."""
 import multiprocessing as mp
+import os
 import signal
 import sys
 import tempfile
@@ -101,6 +102,12 @@ def test_what_a_rank_prints_from_c_is_replayed_too(capsys, monkeypatch):
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # C's stdout: buffered in the file
     assert launch(_workers.print_from_c, "printf reached the parent", backend="gloo") == [0, 1]
     assert capsys.readouterr().out.count("printf reached the parent") == 2
+
+
+def test_a_ranks_own_child_processes_end_with_it():
+    [pid] = launch(_workers.start_a_sleeper, world_size=1, backend="gloo")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_a_hanging_rank_ends_in_a_timeout_error_naming_the_running_ranks():

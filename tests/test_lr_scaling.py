@@ -52,8 +52,9 @@ def test_the_linear_scaling_rule_holds_for_small_steps(data):
     assert small[-1] < initial  # and the small batch did learn
 
 
-def test_warm_up_of_zero_samples_changes_nothing(data):
-    assert curve(data, 64, 0.05, warmup=0)["loss"] == curve(data, 64, 0.05)["loss"]
+def test_a_warm_up_of_one_step_or_none_changes_nothing(data):
+    # the step's own samples count: a 64-sample warm-up already gives a 64-batch the full lr
+    assert curve(data, 64, 0.05, warmup=64)["loss"] == curve(data, 64, 0.05)["loss"]
     assert curve(data, 64, 0.05, warmup=512)["loss"] != curve(data, 64, 0.05)["loss"]
 
 
@@ -72,6 +73,8 @@ def test_scaling_rule_runs_are_the_four_runs_of_the_rule(data):
     runs = scaling_rule_runs(X, y, 32, 0.01, 4, 1024, 256)
     assert list(runs) == ["B=32, lr 0.01", "B=128, lr 0.01", "B=128, lr 0.04",
                           "B=128, lr 0.04, warm-up"]
+    assert runs["B=32, lr 0.01"]["loss"] == loss_curve(X, y, 32, 0.01, 1024)["loss"]
+    assert runs["B=128, lr 0.01"]["loss"] == loss_curve(X, y, 128, 0.01, 1024)["loss"]
     assert runs["B=128, lr 0.04"]["loss"] == loss_curve(X, y, 128, 0.04, 1024)["loss"]
     assert runs["B=128, lr 0.04, warm-up"]["loss"] == loss_curve(X, y, 128, 0.04, 1024,
                                                                  256)["loss"]

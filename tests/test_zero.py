@@ -6,7 +6,7 @@ in the test's own process). The models are mostly float64
 (TiedNet: a tied weight, a frozen layer, a layer without gradient in one step; and a
 one-parameter net, fewer parameters than ranks), so after 10 steps any difference is
 rounding: 1e-9 relative (in practice the results are bitwise equal); TiedNet in float32
-once, at 1e-6.
+once, at the same tolerance: the shards run the very same arithmetic.
 """
 import math
 
@@ -23,7 +23,6 @@ WORLDS = (2, 3)
 RUNS = [(w, case) for w in WORLDS for case in CASES]
 CAPS = (25.0, 0.0)  # one bucket; one bucket per parameter
 CLOSE = {"rtol": 1e-9, "atol": 1e-12}
-CLOSE32 = {"rtol": 1e-6, "atol": 1e-7}
 ACCUMULATIONS = list(_zero_workers.ACCUMULATIONS)
 CLIPPINGS = [(w, stage, norm) for w in WORLDS for stage in ("zero1", "zero2")
              for norm in (2.0, math.inf)]
@@ -49,11 +48,10 @@ def run_id(run):
 
 @pytest.mark.parametrize("world, case", RUNS, ids=list(map(run_id, RUNS)))
 def test_sharded_optimizer_equals_the_plain_one_after_every_step(runs, world, case):
-    close = CLOSE32 if case[0] == "tied32" else CLOSE
     for record in records(runs, world, case):
         assert len(record["ours"]) == _zero_workers.STEPS
         for ours, plain in zip(record["ours"], record["plain"]):
-            torch.testing.assert_close(ours, plain, **close)
+            torch.testing.assert_close(ours, plain, **CLOSE)
         assert not torch.equal(record["plain"][-1], record["plain"][0])  # it did train
 
 
@@ -98,7 +96,7 @@ def test_frozen_parameters_weigh_nothing_in_the_split(runs, world):
     for rank_result in runs[world]:
         loads = rank_result["frozen"]["trainable_loads"]
         assert sum(loads) == 1500 and min(loads) > 0
-        assert max(loads) - min(loads) <= rank_result["frozen"]["largest_trainable"]
+        assert max(loads) - min(loads) <= 600  # the largest trainable parameter
 
 
 def test_partition_is_greedy_largest_first_and_continues_from_given_loads():
@@ -161,8 +159,6 @@ def test_zero2_trains_like_zero1_and_like_plain_ddp(runs, world, cap):
         z = rank_result["zero2"][cap]
         torch.testing.assert_close(z["zero1"]["params"], z["ddp"]["params"], **CLOSE)
         torch.testing.assert_close(z["zero2"]["params"], z["zero1"]["params"], **CLOSE)
-        collectives, buckets = z["zero2"]["collectives"]
-        assert collectives == _zero_workers.STEPS * buckets  # one reduce-scatter per bucket
 
 
 @pytest.mark.parametrize("world", WORLDS)

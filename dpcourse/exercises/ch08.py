@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from ..cost_model import AlphaBeta, allreduce_cost, predict_ddp_overhead
+from ..performance import MIB
 from . import answered, is_number
 
-MIB = 2**20
 PREDICT_BYTES = 3 * MIB  # exercise 1: a size the chapter's sweep (powers of 4) never measures
 CROSSOVER_RANKS = 8  # exercise 2
 CROSSOVER_LINK = AlphaBeta(alpha=5e-6, beta=1 / 25e9)  # 5 us per message, 25 GB/s
@@ -22,11 +22,6 @@ NVLINK_LATENCY_S = 3.4e-6  # per ring step
 
 def _relative_gap(got: float, want: float) -> float:
     return abs(got - want) / abs(want)
-
-
-def predicted_seconds_reference(cost: AlphaBeta, nbytes: float = PREDICT_BYTES) -> float:
-    """What the fitted line says an allreduce of nbytes takes: alpha + nbytes * beta."""
-    return cost.time(nbytes)
 
 
 def _prediction_hint(got: float, cost: AlphaBeta, nbytes: float) -> str:
@@ -51,7 +46,7 @@ def check_predicted_seconds(answer: float | None, cost: AlphaBeta,
     if not is_number(answer):
         print(f"not quite: give the time as a number of seconds, not {answer!r}")
         return
-    want = predicted_seconds_reference(cost, nbytes)
+    want = cost.time(nbytes)  # alpha + nbytes * beta
     if _relative_gap(answer, want) <= 1e-6:
         print(f"correct: the fit predicts {1e3 * want:.3f} ms for {nbytes / MIB:g} MiB; now "
               "measure it")
@@ -69,9 +64,8 @@ def ring_tree_crossover_reference(link: AlphaBeta = CROSSOVER_LINK,
 
 def _crossover_hint(got: float, link: AlphaBeta, p: int) -> str:
     """Why a crossover size is off."""
-    rounds = (p - 1).bit_length()  # ceil(log2 p)
-    whole = 2 * (p - 1 - rounds) * link.alpha / (2 * rounds * link.beta - 2 * (p - 1) * link.beta)
-    if (p - 1) > rounds and _relative_gap(got, abs(whole)) < 1e-3:
+    # a ring sending whole tensors, 2(p-1)(alpha + n beta), meets the tree at n = alpha/beta
+    if _relative_gap(got, link.alpha / link.beta) < 1e-3:
         return ("each ring step sends n/p bytes, not n: the ring's beta term is "
                 "2(p-1)/p * n * beta")
     return (f"the ring costs 2(p-1)(alpha + n/p beta), the tree 2 ceil(log2 p)(alpha + n beta); "

@@ -18,7 +18,7 @@ def largest_model(stage: str, gpus: int = GPUS, gpu_bytes: float = GPU_BYTES,
                   **widths: int) -> float:
     """Parameters whose model states (mixed-precision Adam unless widths say otherwise) just
     fill gpu_bytes per GPU on gpus GPUs at this ZeRO stage."""
-    per_parameter = bytes_per_rank(10**9, gpus, stage, **(widths or MIXED))["total"] / 10**9
+    per_parameter = bytes_per_rank(10**9, gpus, stage, **{**MIXED, **widths})["total"] / 10**9
     return gpu_bytes / per_parameter
 
 
@@ -128,6 +128,8 @@ def traffic_reference(stage: str, n: int, k: int) -> float:
 
 def _traffic_hint(stage: str, got: float, n: int, k: int) -> str:
     """Why one stage's traffic is off, from the number of ring halves it amounts to."""
+    if not is_number(got):
+        return "return a number: how many numbers each rank sends"
     if k == 1:
         return "a single rank sends nothing"
     if abs(got - TRAFFIC_LAW[stage] * n) <= 1e-9 * n:
@@ -141,8 +143,9 @@ def _traffic_hint(stage: str, got: float, n: int, k: int) -> str:
              ("zero3", 2): "ZeRO-3 all-gathers the parameters twice (forward and backward) "
                            "and reduce-scatters the gradients: three halves"}
     exact = abs(got - halves * (k - 1) / k * n) <= 1e-9 * n
-    return hints.get((stage, halves), "") if exact and (stage, halves) in hints else (
-        "each reduce-scatter or all-gather sends (k-1)/k * n per rank")
+    if exact and (stage, halves) in hints:
+        return hints[(stage, halves)]
+    return "each reduce-scatter or all-gather sends (k-1)/k * n per rank"
 
 
 def check_traffic(traffic: Callable[[str, int, int], float] | None) -> None:
