@@ -125,8 +125,12 @@ def state_dict_round_trip() -> dict:
         two_groups(reference), **kwargs)
     train(model, opt, range(4), unused=range(4))
     train(reference, plain, range(4), unused=range(4))
-    # copies, as if saved to a file: load_state_dict may share the tensors it is given
-    consolidated = copy.deepcopy(opt.state_dict())
+    # rank 0's consolidated state, as if rank 0 saved it and every rank read the file back
+    # (copies: on the CPU the state's tensors are the optimizer's own, updated in place)
+    saved = [opt.state_dict()]  # None on the other ranks
+    returned_none = saved[0] is None
+    dist.broadcast_object_list(saved, src=0)
+    consolidated = copy.deepcopy(saved[0])
     plain_state = copy.deepcopy(plain.state_dict())
     to_plain_model, to_sharded_model = copy.deepcopy(model), copy.deepcopy(reference)
     to_plain = cls(two_groups(to_plain_model), lr=1.0)  # hyperparameters come with the state
@@ -134,6 +138,7 @@ def state_dict_round_trip() -> dict:
     to_sharded = ShardedOptimizer(two_groups(to_sharded_model), cls, lr=1.0)
     to_sharded.load_state_dict(copy.deepcopy(plain_state))
     return {"consolidated": consolidated, "plain_state": plain_state,
+            "state_dict_returned_none": returned_none,
             "sharded": train(model, opt, range(4, 8))[-1],
             "plain": train(reference, plain, range(4, 8))[-1],
             "plain_from_sharded": train(to_plain_model, to_plain, range(4, 8))[-1],

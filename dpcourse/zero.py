@@ -134,28 +134,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.grad.mul_(coef.to(p.grad.dtype))
         return total
 
-    def state_dict(self) -> dict[str, Any]:
-        """The full state, as a plain optimizer_cls over all params would give it (tensors on
-        the CPU), on every rank.
+    def state_dict(self) -> dict[str, Any] | None:
+        """On rank 0, the full state, as a plain optimizer_cls over all params would give it
+        (tensors on the CPU); None on the other ranks, which never hold more than their shard.
 
         A collective: EVERY rank must call it, not only the one that saves, since each rank
-        holds only its own shard's state and the shards are gathered (all_gather_object) from
-        all ranks; a call on rank 0 alone waits for the others until the timeout.
+        holds only its own shard's state and rank 0 gathers (gather_object) the shards; a
+        call on rank 0 alone waits for the others until the timeout.
         """
         index = {p: i for i, p in enumerate(self._all_params())}
         own = {index[p]: {k: v.cpu() if isinstance(v, torch.Tensor) else v
                           for k, v in self.state[p].items()}
                for p in self.shard() if p in self.state}
-        everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, own)
+        everyone: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(own, everyone, dst=0)
+        if everyone is None:
+            return None
         state = {i: s for part in everyone for i, s in part.items()}
         groups = [{**group, "params": [index[p] for p in group["params"]]}
                   for group in self.param_groups]
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state (from state_dict(), or a plain optimizer's) given on every rank;
-        each rank keeps its own shard's part."""
+        """Load a full state (rank 0's state_dict(), or a plain optimizer's), given on every
+        rank (each reads the saved file); each rank keeps its own shard's part."""
         groups = state_dict["param_groups"]
         theirs = [len(g["params"]) for g in groups]
         ours = [len(g["params"]) for g in self.param_groups]

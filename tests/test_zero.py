@@ -6,7 +6,8 @@ in the test's own process). The models are mostly float64
 (TiedNet: a tied weight, a frozen layer, a layer without gradient in one step; and a
 one-parameter net, fewer parameters than ranks), so after 10 steps any difference is
 rounding: 1e-9 relative (in practice the results are bitwise equal); TiedNet in float32
-once, at the same tolerance: the shards run the very same arithmetic.
+once, within the issue's 1e-6 relative (the shards run the very same arithmetic, so in
+practice bitwise too, but no float32 equality is asserted after 10 steps).
 """
 import math
 
@@ -23,6 +24,7 @@ WORLDS = (2, 3)
 RUNS = [(w, case) for w in WORLDS for case in CASES]
 CAPS = (25.0, 0.0)  # one bucket; one bucket per parameter
 CLOSE = {"rtol": 1e-9, "atol": 1e-12}
+CLOSE32 = {"rtol": 1e-6, "atol": 1e-7}  # float32 after 10 steps
 ACCUMULATIONS = list(_zero_workers.ACCUMULATIONS)
 CLIPPINGS = [(w, stage, norm) for w in WORLDS for stage in ("zero1", "zero2")
              for norm in (2.0, math.inf)]
@@ -51,7 +53,9 @@ def test_sharded_optimizer_equals_the_plain_one_after_every_step(runs, world, ca
     for record in records(runs, world, case):
         assert len(record["ours"]) == _zero_workers.STEPS
         for ours, plain in zip(record["ours"], record["plain"]):
-            torch.testing.assert_close(ours, plain, **CLOSE)
+            assert ours.dtype == (torch.float32 if case[0] == "tied32" else torch.float64)
+            torch.testing.assert_close(ours, plain, **(CLOSE32 if case[0] == "tied32"
+                                                       else CLOSE))
         assert not torch.equal(record["plain"][-1], record["plain"][0])  # it did train
 
 
@@ -106,8 +110,9 @@ def test_partition_is_greedy_largest_first_and_continues_from_given_loads():
     assert partition([], 2) == []
 
 
-def test_consolidated_state_dict_is_the_plain_optimizers(runs):
+def test_consolidated_state_dict_is_the_plain_optimizers_on_rank_0_only(runs):
     """Two groups, and two layers of two tensors without state: frozen, and not used yet."""
+    assert [r["round_trip"]["state_dict_returned_none"] for r in runs[2]] == [False, True]
     for rank_result in runs[2]:
         ours = rank_result["round_trip"]["consolidated"]
         plain = rank_result["round_trip"]["plain_state"]
@@ -218,6 +223,9 @@ def test_same_parameters_as_torchs_zero_redundancy_optimizer(runs):
 
 
 def test_same_optimizer_state_bytes_in_all_as_torchs_zero_redundancy_optimizer(runs):
+    """In all, not rank by rank: torch's split weighs TiedNet's frozen layer by its size,
+    ours gives it no weight (it has no state), so the shards may differ here (on LeNet, with no
+    frozen layer, chapter 09 shows the same bytes on each rank)."""
     ours = [r["torch_zero"]["ours_bytes"]["optimizer_state"] for r in runs[2]]
     theirs = [r["torch_zero"]["torch_bytes"]["optimizer_state"] for r in runs[2]]
     assert all(theirs) and sum(ours) == sum(theirs)
