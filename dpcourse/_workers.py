@@ -90,6 +90,26 @@ def no_collectives() -> Iterator[None]:
             setattr(module, name, fn)
 
 
+@contextmanager
+def counted_calls(names: tuple[str, ...]) -> Iterator[dict[str, int]]:
+    """Count the calls of the named torch.distributed functions while inside."""
+    counts = dict.fromkeys(names, 0)
+    saved = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+        return call
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
 def p2p_against_all_reduce(cases: list[tuple], worlds: list[int]) -> list[dict]:
     """For each group of the first w ranks (w in worlds) and each case (algorithm, numel,
     dtype, transposed, keyword arguments): our sum, dist.all_reduce's sum and the elements
@@ -176,8 +196,9 @@ def ddp_runs(configs: list[dict]) -> list[dict]:
             model = ScratchDDP(net, cfg["cap"], ring=cfg["ring"], shm=cfg.get("shm", False))
         else:
             model = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
-        state = train_steps(model, rank, world, cfg["micro"])
-        out.append({"config": cfg, "state": state,
+        with counted_calls(("all_reduce", "isend")) as calls:
+            state = train_steps(model, rank, world, cfg["micro"])
+        out.append({"config": cfg, "state": state, "calls": calls,
                     "buckets": len(getattr(model, "buckets", [])),
                     "launched_in_backward": getattr(model, "launched_in_backward", None),
                     "allreduces": getattr(model, "allreduces", None),
@@ -265,6 +286,8 @@ def shm_errors(shm) -> dict:
         "int32": _error_of(shm.allreduce, torch.ones(5, dtype=torch.int32)),
         "meta": _error_of(shm.allreduce, torch.ones(5, device="meta")),
         "max_bytes": _error_of(SharedMemoryAllreduce, 1 << (12 + (rank == 1))),
+        "negative max_bytes": _error_of(SharedMemoryAllreduce, -1),
+        "float max_bytes": _error_of(SharedMemoryAllreduce, 2.5e6),
     }
     errors["works_after"] = shm.allreduce(torch.ones(7)).tolist()
     with SharedMemoryAllreduce(1 << 12, timeout=0.5) as late:
@@ -273,6 +296,17 @@ def shm_errors(shm) -> dict:
             errors["after_timeout"] = _error_of(late.allreduce, torch.ones(3))
         dist.barrier()
     return errors
+
+
+def shm_crash_while_building(bad_rank: int) -> None:
+    """bad_rank is killed inside SharedMemoryAllreduce(), its segment created but not yet
+    mapped by the others (so not yet removed); the others wait for it."""
+    import signal
+
+    from .shm import SharedMemoryAllreduce
+    if dist.get_rank() == bad_rank:
+        dist.all_gather_object = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+    SharedMemoryAllreduce(1 << 16)
 
 
 def shm_crash(bad_rank: int) -> None:

@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterator, NoReturn
 import torch
 import torch.distributed as dist
 
+from .shm import remove_segments_of
+
 GRACE_S = 1.0  # after a failure, how long the other ranks get to report theirs
 _ENV_LOCK = threading.Lock()  # launches from several threads set OMP_NUM_THREADS one at a time
 
@@ -97,8 +99,11 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
         _wait(procs, deadline, timeout, workdir)
         return [_load_result(workdir, rank) for rank in range(world_size)]
     finally:
+        pids = [p.pid for p in procs if p.pid is not None]  # unreadable once _stop closes them
         _stop(procs)
         _replay_output(workdir, len(procs))
+        for pid in pids:
+            remove_segments_of(pid)  # a rank killed while building a SharedMemoryAllreduce
         shutil.rmtree(workdir, ignore_errors=True)
 
 

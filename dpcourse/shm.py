@@ -17,7 +17,7 @@ of the other ranks' slices, read before they counted), so two counts per round s
 Ranks wait for each other by spinning on the counters (no gloo in the data path), with a
 timeout naming the rank that did not arrive. The segments are files in /dev/shm, removed as
 soon as every rank has mapped them: the mappings stay valid, and nothing is left behind
-even if a rank is killed. The counters rely on x86-64 keeping stores in program order.
+even if a rank is killed (one killed before that is cleaned up by launch). The counters rely on x86-64 keeping stores in program order.
 """
 from __future__ import annotations
 
@@ -60,9 +60,10 @@ class SharedMemoryAllreduce:
                                f"dist.all_reduce on this {platform.machine()} machine")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = timeout
+        if not isinstance(max_bytes, int) or max_bytes < ALIGN * self.world:
+            raise ValueError(f"max_bytes must be a whole number of bytes, at least {ALIGN} per "
+                             f"rank ({ALIGN * self.world} for {self.world}), got {max_bytes!r}")
         self.region_bytes = max_bytes // self.world // ALIGN * ALIGN
-        if self.region_bytes == 0:
-            raise ValueError(f"max_bytes must be at least {ALIGN} per rank, got {max_bytes}")
         self._maps = _map_all_segments(HEADER_BYTES + self.world * self.region_bytes,
                                        max_bytes)
         self._headers = [memoryview(m)[:HEADER_BYTES].cast("q") for m in self._maps]
@@ -167,6 +168,13 @@ class SharedMemoryAllreduce:
             f"SharedMemoryAllreduce on rank {self.rank}: rank{'s' if len(late) > 1 else ''} "
             f"{', '.join(map(str, late))} did not arrive within {self.timeout:g} s (crashed, "
             "or skipped an allreduce the others called); this object is now closed")
+
+
+def remove_segments_of(pid: int) -> None:
+    """Remove the segment files a process created and could not remove (it was killed
+    before every rank had mapped them); launch calls it for each rank once it has ended."""
+    for path in SHM_DIR.glob(f"{PREFIX}{pid}-*"):
+        path.unlink(missing_ok=True)
 
 
 def _map_all_segments(size: int, max_bytes: int) -> list[mmap.mmap]:

@@ -72,6 +72,20 @@ def test_bucket_counts_and_overlap(runs):
             assert record["allreduces"] == _workers.STEPS * record["buckets"]
 
 
+def test_buckets_go_through_the_collective_each_config_names(runs):
+    """gloo's all_reduce, our ring (isend, no all_reduce) or shared memory (neither)."""
+    for record in runs[0]:
+        cfg, calls = record["config"], record["calls"]
+        if cfg["ddp"] != "scratch":
+            continue
+        if cfg.get("shm"):
+            assert calls == {"all_reduce": 0, "isend": 0}
+        elif cfg["ring"]:
+            assert calls["all_reduce"] == 0 and calls["isend"] >= record["allreduces"]
+        else:
+            assert calls == {"all_reduce": record["allreduces"], "isend": 0}
+
+
 def test_frozen_parameter_and_buffer_are_rank_0s_on_every_rank(runs):
     start = _workers.tied_net(seed=0)
     for rank in range(WORLD):

@@ -72,6 +72,8 @@ def test_wrong_calls_raise_the_same_clear_error_on_every_rank(run):
         assert e["int32"].startswith("TypeError") and "int32" in e["int32"]
         assert e["meta"].startswith("ValueError") and "CPU tensors" in e["meta"]
         assert e["max_bytes"].startswith("ValueError") and "max_bytes" in e["max_bytes"]
+        for bad in ("negative max_bytes", "float max_bytes"):
+            assert e[bad].startswith("ValueError: max_bytes must be a whole number of bytes")
         assert e["works_after"] == [float(world)] * 7
         if rank != 1:
             assert e["timeout"].startswith("TimeoutError")
@@ -83,6 +85,13 @@ def test_no_segment_left_when_a_rank_is_killed():
     before = segment_files()
     with pytest.raises(RankError, match="killed by signal SIGKILL"):
         launch(_workers.shm_crash, 1, world_size=2, backend="gloo", timeout=30)
+    assert segment_files() - before == set()
+
+
+def test_no_segment_left_when_a_rank_is_killed_while_building_it():
+    before = segment_files()
+    with pytest.raises(RankError, match="killed by signal SIGKILL"):
+        launch(_workers.shm_crash_while_building, 1, world_size=2, backend="gloo", timeout=30)
     assert segment_files() - before == set()
 
 
