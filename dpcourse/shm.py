@@ -44,9 +44,9 @@ class SharedMemoryAllreduce:
     """An allreduce (sum) through buffers shared by every rank of the default process group.
 
     Create it on every rank with the same max_bytes, the size of each rank's buffer: larger
-    tensors stream through it, and a few MiB (which stay in the CPU's cache) beat a buffer
-    as large as the tensor. timeout: seconds a rank waits for the others before raising
-    TimeoutError (and closing).
+    tensors stream through it; a few MiB that fit the CPU's caches beat a buffer as large as
+    the tensor (chapter 08 measures both). timeout: seconds a rank waits for the others
+    before raising TimeoutError (and closing).
     """
 
     def __init__(self, max_bytes: int = 2 << 20, *, timeout: float = 60.0) -> None:
