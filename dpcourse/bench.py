@@ -21,7 +21,8 @@ from .cost_model import AlphaBeta, best_layout, cost_in_step, fit_alpha_beta, re
 from .hardware import devices, synchronize
 from .lenet import init_lenet_params, lenet, loss
 from .ring import ring_allreduce
-from .throughput import ALLREDUCES, bus_bandwidth, compare_ddp, compare_processes_and_threads
+from .throughput import (ALLREDUCES, NO_ALLREDUCE, bus_bandwidth, compare_ddp,
+                         compare_processes_and_threads)
 from .training import sgd, train_batch
 
 
@@ -271,11 +272,14 @@ def bench_shm_ddp(sizes: Sizes, figures: dict) -> None:
     print(f"\nScratchDDP with the shared-memory allreduce / with gloo's, LeNet, 2 processes, "
           f"{sizes.ddp_steps} steps (median of {rounds} rounds):")
     for batch in SHM_DDP_BATCHES:
-        ddp = compare_ddp(steps=sizes.ddp_steps, batch_size=batch, repeats=rounds, timeout=300)
+        ddp = compare_ddp(steps=sizes.ddp_steps, batch_size=batch, repeats=rounds, timeout=300,
+                          variants=("ScratchDDP", "ScratchDDP, shm", NO_ALLREDUCE))
         figures[batch] = ddp
         ratio = ddp["ScratchDDP, shm"] / ddp["ScratchDDP"]
         print(f"  2 x {batch:3d} images: gloo {ddp['ScratchDDP']:6.0f} images/s, shm "
-              f"{ddp['ScratchDDP, shm']:6.0f} images/s, shm/gloo {verdict(ratio, 1.1)}")
+              f"{ddp['ScratchDDP, shm']:6.0f} images/s, shm/gloo {verdict(ratio, 1.1)}; "
+              f"no allreduce at all x{ddp[NO_ALLREDUCE] / ddp['ScratchDDP']:.2f} of gloo "
+              "(no allreduce can pass it)")
 
 
 def bench_buckets(sizes: Sizes, gloo: AlphaBeta, anatomy: dict, figures: dict) -> None:

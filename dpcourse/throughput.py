@@ -30,6 +30,7 @@ ALLREDUCES: dict[str, Callable[[torch.Tensor], object]] = {
     "p2p.ring_allreduce": p2p.ring_allreduce,
 }
 DDP_VARIANTS = ("ScratchDDP", "ScratchDDP, ring", "ScratchDDP, shm", "torch DDP")
+NO_ALLREDUCE = "no allreduce"  # each rank trains alone: the most any allreduce can reach
 WARMUP_STEPS = 3
 LR = 0.05
 
@@ -128,8 +129,10 @@ def train_step_fn(model: nn.Module, batch_size: int, seed: int,
 
 
 def ddp_model(variant: str) -> nn.Module:
-    """LeNet wrapped in the named DDP variant."""
+    """LeNet wrapped in the named DDP variant (NO_ALLREDUCE: not wrapped)."""
     net = lenet_model()
+    if variant == NO_ALLREDUCE:
+        return net
     if variant == "torch DDP":
         return nn.parallel.DistributedDataParallel(net)
     return ScratchDDP(net, ring=variant == "ScratchDDP, ring", shm=variant == "ScratchDDP, shm")
@@ -144,28 +147,33 @@ def timed_steps(step: Callable[[], None], steps: int) -> float:
     return time.perf_counter() - start
 
 
-def ddp_images_per_second_on_rank(steps: int, batch_size: int,
-                                  repeats: int) -> dict[str, float]:
-    """Global images/s of LeNet training with each DDP variant, the variants alternated in
+def ddp_images_per_second_on_rank(steps: int, batch_size: int, repeats: int,
+                                  variants: tuple[str, ...] = DDP_VARIANTS) -> dict[str, float]:
+    """Global images/s of LeNet training with each variant, the variants alternated in
     repeats rounds of steps steps (median), after a warm-up; the slowest rank's time."""
     world = dist.get_world_size()
-    train = {v: train_step_fn(ddp_model(v), batch_size, seed=dist.get_rank())
-             for v in DDP_VARIANTS}
+    train = {v: train_step_fn(ddp_model(v), batch_size, seed=dist.get_rank()) for v in variants}
     for step in train.values():
         for _ in range(WARMUP_STEPS):
             step()
-    order = [v for _ in range(repeats) for v in DDP_VARIANTS]
+    order = [v for _ in range(repeats) for v in variants]
     seconds = slowest_rank([timed_steps(train[v], steps) for v in order])
     images = world * batch_size * steps
     return {v: images / t for v, t in medians(order, seconds).items()}
 
 
 def compare_ddp(steps: int = 20, batch_size: int = 128, world_size: int = 2, repeats: int = 3,
-                timeout: float = 120.0) -> dict[str, float]:
-    """LeNet training images/s (global: world_size * batch_size per step) with "ScratchDDP",
-    "ScratchDDP, ring", "ScratchDDP, shm" (chapter 08's shared-memory allreduce) and
-    "torch DDP", measured in one launch of world_size processes."""
-    return launch(ddp_images_per_second_on_rank, steps, batch_size, repeats,
+                timeout: float = 120.0,
+                variants: tuple[str, ...] = DDP_VARIANTS) -> dict[str, float]:
+    """LeNet training images/s (global: world_size * batch_size per step) with each of
+    variants: by default "ScratchDDP", "ScratchDDP, ring", "ScratchDDP, shm" (chapter 08's
+    shared-memory allreduce) and "torch DDP"; also NO_ALLREDUCE, every rank training alone.
+    Measured in one launch of world_size processes."""
+    unknown = [v for v in variants if v not in (*DDP_VARIANTS, NO_ALLREDUCE)]
+    if unknown or not variants:
+        raise ValueError(f"variants must be some of {(*DDP_VARIANTS, NO_ALLREDUCE)}, got "
+                         f"{tuple(variants)}")
+    return launch(ddp_images_per_second_on_rank, steps, batch_size, repeats, tuple(variants),
                   world_size=world_size, backend="gloo", timeout=timeout)[0]
 
 

@@ -152,7 +152,7 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
     monkeypatch.setattr(performance, "bucket_sweep", lambda *a, **k: buckets)
     monkeypatch.setattr(performance, "scaling", lambda *a, **k: scaled)
     monkeypatch.setattr(bench, "compare_ddp", lambda **k: dict.fromkeys(
-        list(throughput.DDP_VARIANTS), 1.0))
+        k.get("variants", throughput.DDP_VARIANTS), 1.0))
     monkeypatch.setattr(bench, "compare_processes_and_threads", lambda **k: dict.fromkeys(
         ["1 process x 1 thread", "1 process x 2 threads", "2 processes x 1 thread, no allreduce",
          "2 processes x 1 thread", "2 processes x 1 thread, shm"], 1.0))

@@ -47,6 +47,14 @@ def test_compare_ddp_gives_images_per_second_of_each_variant():
     assert_rates(rates, ["ScratchDDP", "ScratchDDP, ring", "ScratchDDP, shm", "torch DDP"])
 
 
+def test_compare_ddp_measures_the_variants_asked_for_and_rejects_unknown_ones():
+    rates = throughput.compare_ddp(steps=2, batch_size=8, repeats=1, timeout=60,
+                                   variants=("ScratchDDP, shm", throughput.NO_ALLREDUCE))
+    assert_rates(rates, ["ScratchDDP, shm", "no allreduce"])
+    with pytest.raises(ValueError, match="variants must be some of"):
+        throughput.compare_ddp(variants=("ScratchDDP", "Horovod"))
+
+
 def test_compare_processes_and_threads_gives_images_per_second_of_every_configuration():
     rates = throughput.compare_processes_and_threads(steps=2, global_batch=16, repeats=1,
                                                      timeout=60)
