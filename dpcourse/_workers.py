@@ -164,11 +164,13 @@ def tied_net(seed: int) -> TiedNet:
     return TiedNet().double()
 
 
-def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int) -> dict:
+def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int,
+                unused_on: tuple[int, ...] | None = None) -> dict:
     """STEPS steps of SGD on this rank's share of each global batch; the final state.
 
     With micro_batches=2 each step accumulates two micro-batches (all but the last under
-    no_sync, when the model has it)."""
+    no_sync, when the model has it). In step SOMETIMES_STEP the ranks in unused_on (None:
+    every rank) leave TiedNet.sometimes unused."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
         opt.zero_grad()
@@ -178,10 +180,26 @@ def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int) -> 
             y = torch.randn(8, 8, generator=g, dtype=torch.float64).chunk(world)[rank]
             last = micro == micro_batches - 1
             with (nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()):
-                out = model(x, use_sometimes=step != SOMETIMES_STEP)
+                skips = step == SOMETIMES_STEP and (unused_on is None or rank in unused_on)
+                out = model(x, use_sometimes=not skips)
                 nn.functional.mse_loss(out, y).backward()
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def unused_on_rank_1() -> dict[str, dict]:
+    """TiedNet trained while rank 1 alone leaves TiedNet.sometimes unused in one step: with
+    ScratchDDP (one bucket, one per parameter, the ring) and with torch's DDP
+    (find_unused_parameters=True, the reference); the final states."""
+    from .ddp import ScratchDDP
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrappers = {"scratch, one bucket": lambda net: ScratchDDP(net, 25.0),
+                "scratch, per parameter": lambda net: ScratchDDP(net, 0.0),
+                "scratch, ring": lambda net: ScratchDDP(net, 0.0, ring=True),
+                "torch": lambda net: nn.parallel.DistributedDataParallel(
+                    net, find_unused_parameters=True)}
+    return {name: train_steps(wrap(tied_net(seed=rank)), rank, world, 1, unused_on=(1,))
+            for name, wrap in wrappers.items()}
 
 
 def ddp_runs(configs: list[dict]) -> list[dict]:

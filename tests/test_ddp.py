@@ -86,6 +86,20 @@ def test_buckets_go_through_the_collective_each_config_names(runs):
             assert calls == {"all_reduce": record["allreduces"], "isend": 0}
 
 
+def test_a_parameter_unused_on_one_rank_only_trains_like_torch_ddp():
+    """Rank 1 alone skips a layer in one step: no hang, and the same training as torch's DDP
+    with find_unused_parameters=True (rank 1 adds a zero gradient for that layer)."""
+    for ranks_runs in launch(_workers.unused_on_rank_1, world_size=WORLD, backend="gloo",
+                             timeout=60):
+        theirs = ranks_runs.pop("torch")
+        assert not torch.equal(theirs["module.sometimes.weight"],
+                               _workers.tied_net(seed=0).sometimes.weight)  # it trained
+        for name, ours in ranks_runs.items():
+            for key, value in theirs.items():
+                torch.testing.assert_close(ours[key], value, rtol=1e-9, atol=1e-12,
+                                           msg=f"{name}: {key}")
+
+
 def test_frozen_parameter_and_buffer_are_rank_0s_on_every_rank(runs):
     start = _workers.tied_net(seed=0)
     for rank in range(WORLD):
