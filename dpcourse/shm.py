@@ -17,7 +17,8 @@ of the other ranks' slices, read before they counted), so two counts per round s
 Ranks wait for each other by spinning on the counters (no gloo in the data path), with a
 timeout naming the rank that did not arrive. The segments are files in /dev/shm, removed as
 soon as every rank has mapped them: the mappings stay valid, and nothing is left behind
-even if a rank is killed (one killed before that is cleaned up by launch). The counters rely on x86-64 keeping stores in program order.
+even if a rank is killed (launch removes the file of a rank killed before that). The
+counters rely on x86-64 keeping stores in program order.
 """
 from __future__ import annotations
 
