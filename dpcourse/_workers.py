@@ -71,18 +71,11 @@ def hang_on(slow_rank: int) -> int:
 
 
 @contextmanager
-def no_collectives() -> Iterator[None]:
-    """Make every collective of torch.distributed raise while inside (in both the public
-    namespace and the module torch's own helpers call)."""
-    def forbidden(name: str):
-        def call(*args, **kwargs):
-            raise AssertionError(f"collective dist.{name} called")
-        return call
-    modules = (dist, dist.distributed_c10d)
-    saved = [(m, name, getattr(m, name)) for m in modules for name in COLLECTIVES
-             if hasattr(m, name)]
-    for module, name, _ in saved:
-        setattr(module, name, forbidden(name))
+def replaced(modules: tuple, names: tuple[str, ...], wrap) -> Iterator[None]:
+    """While inside, each named function of each module (where it has one) is wrap(name, fn)."""
+    saved = [(m, name, getattr(m, name)) for m in modules for name in names if hasattr(m, name)]
+    for module, name, fn in saved:
+        setattr(module, name, wrap(name, fn))
     try:
         yield
     finally:
@@ -91,23 +84,29 @@ def no_collectives() -> Iterator[None]:
 
 
 @contextmanager
+def no_collectives() -> Iterator[None]:
+    """Make every collective of torch.distributed raise while inside (in both the public
+    namespace and the module torch's own helpers call)."""
+    def forbidden(name: str, _fn):
+        def call(*args, **kwargs):
+            raise AssertionError(f"collective dist.{name} called")
+        return call
+    with replaced((dist, dist.distributed_c10d), COLLECTIVES, forbidden):
+        yield
+
+
+@contextmanager
 def counted_calls(names: tuple[str, ...]) -> Iterator[dict[str, int]]:
     """Count the calls of the named torch.distributed functions while inside."""
     counts = dict.fromkeys(names, 0)
-    saved = {name: getattr(dist, name) for name in names}
 
-    def counting(name: str):
+    def counting(name: str, fn):
         def call(*args, **kwargs):
             counts[name] += 1
-            return saved[name](*args, **kwargs)
+            return fn(*args, **kwargs)
         return call
-    for name in names:
-        setattr(dist, name, counting(name))
-    try:
+    with replaced((dist,), names, counting):
         yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 def p2p_against_all_reduce(cases: list[tuple], worlds: list[int]) -> list[dict]:
@@ -190,7 +189,8 @@ def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int,
 def unused_on_rank_1() -> dict[str, dict]:
     """TiedNet trained while rank 1 alone leaves TiedNet.sometimes unused in one step: with
     ScratchDDP (one bucket, one per parameter, the ring) and with torch's DDP
-    (find_unused_parameters=True, the reference); the final states."""
+    (find_unused_parameters=True, the reference); the final states, and torch's with the
+    layer used on every rank ("torch, used everywhere": shows the skip mattered)."""
     from .ddp import ScratchDDP
     rank, world = dist.get_rank(), dist.get_world_size()
     wrappers = {"scratch, one bucket": lambda net: ScratchDDP(net, 25.0),
@@ -198,8 +198,11 @@ def unused_on_rank_1() -> dict[str, dict]:
                 "scratch, ring": lambda net: ScratchDDP(net, 0.0, ring=True),
                 "torch": lambda net: nn.parallel.DistributedDataParallel(
                     net, find_unused_parameters=True)}
-    return {name: train_steps(wrap(tied_net(seed=rank)), rank, world, 1, unused_on=(1,))
+    runs = {name: train_steps(wrap(tied_net(seed=rank)), rank, world, 1, unused_on=(1,))
             for name, wrap in wrappers.items()}
+    runs["torch, used everywhere"] = train_steps(wrappers["torch"](tied_net(seed=rank)), rank,
+                                                 world, 1, unused_on=())
+    return runs
 
 
 def ddp_runs(configs: list[dict]) -> list[dict]:

@@ -94,6 +94,8 @@ def test_a_parameter_unused_on_one_rank_only_trains_like_torch_ddp():
         theirs = ranks_runs.pop("torch")
         assert not torch.equal(theirs["module.sometimes.weight"],
                                _workers.tied_net(seed=0).sometimes.weight)  # it trained
+        used = ranks_runs.pop("torch, used everywhere")["module.sometimes.weight"]
+        assert not torch.allclose(theirs["module.sometimes.weight"], used)  # the skip mattered
         for name, ours in ranks_runs.items():
             for key, value in theirs.items():
                 torch.testing.assert_close(ours[key], value, rtol=1e-9, atol=1e-12,
