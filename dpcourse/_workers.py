@@ -14,7 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from . import p2p
+from .comm_hooks import HelperThread, allreduce_hook, ring_hook
+from .ddp import ScratchDDP
 from .launch import rank_device
+from .shm import ShmHookState, shm_hook
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
                "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
@@ -186,16 +189,37 @@ def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int,
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+# name -> (state, hook) to register on a DDP, ours or torch's (the states live as long as
+# the rank's process)
+HOOKS = {"allreduce": lambda: (None, allreduce_hook), "ring": lambda: (HelperThread(), ring_hook),
+         "shm": lambda: (ShmHookState(), shm_hook),
+         "wrong size": lambda: (None, wrong_size_hook)}
+
+
+def wrong_size_hook(state: None, bucket) -> torch.futures.Future:
+    """A broken comm hook: its future holds one element too many."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(torch.zeros(bucket.buffer().numel() + 1, dtype=bucket.buffer().dtype))
+    return future
+
+
+def scratch_ddp(net: nn.Module, cap: float, hook: str | None = None) -> nn.Module:
+    """ScratchDDP around net, averaging with the plain allreduce or the named HOOKS."""
+    ddp = ScratchDDP(net, cap)
+    if hook:
+        ddp.register_comm_hook(*HOOKS[hook]())
+    return ddp
+
+
 def unused_on_rank_1() -> dict[str, dict]:
     """TiedNet trained while rank 1 alone leaves TiedNet.sometimes unused in one step: with
     ScratchDDP (one bucket, one per parameter, the ring) and with torch's DDP
     (find_unused_parameters=True, the reference); the final states, and torch's with the
     layer used on every rank ("torch, used everywhere": shows the skip mattered)."""
-    from .ddp import ScratchDDP
     rank, world = dist.get_rank(), dist.get_world_size()
-    wrappers = {"scratch, one bucket": lambda net: ScratchDDP(net, 25.0),
-                "scratch, per parameter": lambda net: ScratchDDP(net, 0.0),
-                "scratch, ring": lambda net: ScratchDDP(net, 0.0, ring=True),
+    wrappers = {"scratch, one bucket": lambda net: scratch_ddp(net, 25.0),
+                "scratch, per parameter": lambda net: scratch_ddp(net, 0.0),
+                "scratch, ring": lambda net: scratch_ddp(net, 0.0, "ring"),
                 "torch": lambda net: nn.parallel.DistributedDataParallel(
                     net, find_unused_parameters=True)}
     runs = {name: train_steps(wrap(tied_net(seed=rank)), rank, world, 1, unused_on=(1,))
@@ -207,39 +231,43 @@ def unused_on_rank_1() -> dict[str, dict]:
 
 def ddp_runs(configs: list[dict]) -> list[dict]:
     """Train a TiedNet, initialised differently on every rank, under each config:
-    {"ddp": "scratch" or "torch", "cap": bucket_cap_mb, "ring": bool, "micro": 1 or 2}."""
-    from .ddp import ScratchDDP
+    {"ddp": "scratch" or "torch", "cap": bucket_cap_mb (scratch), "hook": None or a name of
+    HOOKS, "micro": 1 or 2}."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
     for cfg in configs:
         net = tied_net(seed=rank)
         if cfg["ddp"] == "scratch":
-            model = ScratchDDP(net, cfg["cap"], ring=cfg["ring"], shm=cfg.get("shm", False))
+            model = ScratchDDP(net, cfg["cap"])
         else:
             model = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+        if cfg.get("hook"):
+            model.register_comm_hook(*HOOKS[cfg["hook"]]())
         with counted_calls(("all_reduce", "isend")) as calls:
             state = train_steps(model, rank, world, cfg["micro"])
         out.append({"config": cfg, "state": state, "calls": calls,
                     "buckets": len(getattr(model, "buckets", [])),
                     "launched_in_backward": getattr(model, "launched_in_backward", None),
-                    "allreduces": getattr(model, "allreduces", None),
+                    "hook_calls": getattr(model, "hook_calls", None),
                     "timeline": model.timeline() if hasattr(model, "timeline") else []})
     return out
 
 
 # --- SharedMemoryAllreduce against dist.all_reduce -----------------------------------------
 
-def evaluate_on_rank_0_only() -> float:
+def evaluate_on_rank_0_only() -> dict:
     """Rank 0 alone evaluates a ScratchDDP model with a buffer (batch norm) under no_grad,
-    then every rank trains one step: no collective may run during the evaluation."""
+    then every rank trains one step: no collective may run during the evaluation. Then one
+    backward with a comm hook that returns a buffer of the wrong size: the error."""
     torch.manual_seed(0)
-    from .ddp import ScratchDDP
     model = ScratchDDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     if dist.get_rank() == 0:
         with torch.no_grad():
             model(torch.randn(8, 4))
     model(torch.randn(8, 4))[0].sum().backward()  # one sample: batch norm's sum has no gradient
-    return model.module[0].weight.grad.sum().item()
+    broken = scratch_ddp(nn.Linear(4, 4), 25.0, "wrong size")
+    return {"grad": model.module[0].weight.grad.sum().item(),
+            "wrong size": _error_of(lambda: broken(torch.randn(2, 4)).sum().backward())}
 
 
 def shm_input(rank: int, numel: int, dtype: torch.dtype, transposed: bool) -> torch.Tensor:

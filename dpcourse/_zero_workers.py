@@ -13,9 +13,10 @@ from torch import nn
 
 from . import zero_demos
 from ._workers import tied_net
+from .comm_hooks import allreduce_hook
 from .ddp import ScratchDDP
 from .memory import measured_bytes
-from .zero import ShardedOptimizer
+from .zero import GradientSharding, ShardedOptimizer, reduce_scatter_hook
 
 STEPS = 10
 ACCUMULATION_STEPS = 4
@@ -201,7 +202,7 @@ def optimizer_for(stage: str, ddp: ScratchDDP) -> torch.optim.Optimizer:
 def zero2_against_zero1(bucket_cap_mb: float, model_name: str = "tied") -> dict:
     """AdamW on model_name initialised differently on every rank, with each rank's share of
     the batches: plain AdamW after ScratchDDP, ZeRO-1 (ScratchDDP + ShardedOptimizer) and
-    ZeRO-2 (the same, with shard_gradients); the gradients each holds after the last
+    ZeRO-2 (the same, with reduce_scatter_hook); the gradients each holds after the last
     backward."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
@@ -288,25 +289,31 @@ def _error_of(fn: Callable[[], Any]) -> str | None:
 
 
 def errors() -> dict:
-    """What ShardedOptimizer and shard_gradients raise for wrong input."""
+    """What ShardedOptimizer, GradientSharding and register_comm_hook raise for wrong input."""
     model = tied_net(0)
     opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     wrong = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
-    ring = ScratchDDP(tied_net(0), ring=True)
     plain = ScratchDDP(model)
     out = {
         "class name": _error_of(lambda: ShardedOptimizer(model.parameters(), "AdamW")),
         "not an optimizer": _error_of(lambda: ShardedOptimizer(model.parameters(), nn.Linear)),
         "no parameters": _error_of(lambda: ShardedOptimizer([], torch.optim.SGD, lr=0.1)),
         "wrong state": _error_of(lambda: opt.load_state_dict(wrong)),
-        "ring": _error_of(lambda: ring.shard_gradients(opt)),
-        "other parameters": _error_of(lambda: ScratchDDP(tied_net(0)).shard_gradients(opt)),
-        "plain optimizer": _error_of(lambda: plain.shard_gradients(
+        "hook twice": _error_of(lambda: [plain.register_comm_hook(None, allreduce_hook)
+                                         for _ in range(2)]),
+        "other parameters": _error_of(lambda: other_parameters(opt)),
+        "plain optimizer": _error_of(lambda: GradientSharding(
             torch.optim.SGD(model.parameters(), lr=0.1))),
     }
-    ring._executor.shutdown()  # the ring's helper thread
     out["no_sync last"] = _error_of(no_sync_last)
     return out
+
+
+def other_parameters(opt: ShardedOptimizer) -> None:
+    """ZeRO-2's hook on a module whose parameters are not the optimizer's: one backward."""
+    ddp = ScratchDDP(tied_net(0))
+    ddp.register_comm_hook(GradientSharding(opt), reduce_scatter_hook)
+    backward(ddp, 0, dist.get_rank(), dist.get_world_size())
 
 
 def no_sync_last() -> None:

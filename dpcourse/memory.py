@@ -17,7 +17,7 @@ from .ddp import ScratchDDP
 from .launch import launch
 from .performance import MODELS, model_batch
 from .throughput import WARMUP_STEPS, medians, slowest_rank, timed_steps
-from .zero import ShardedOptimizer
+from .zero import GradientSharding, ShardedOptimizer, reduce_scatter_hook
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
 MEASURED_STAGES = STAGES[:3]  # ZeRO-3 shards the parameters too: not built here
@@ -88,7 +88,7 @@ def staged(stage: str, model: str) -> tuple[ScratchDDP, torch.optim.Optimizer]:
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=LR)
     opt = ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, lr=LR)
     if stage == "zero2":
-        ddp.shard_gradients(opt)
+        ddp.register_comm_hook(GradientSharding(opt), reduce_scatter_hook)
     return ddp, opt
 
 

@@ -114,11 +114,10 @@ def steps_one_and_two(X: torch.Tensor, y: torch.Tensor) -> dict[str, bool | floa
                 [p.grad for p in model.parameters()], [q.grad for q in reference.parameters()])}
 
 
-def overlap_timeline(X: torch.Tensor, y: torch.Tensor, bucket_cap_mb: float,
-                     ring: bool = False) -> dict[str, Any]:
+def overlap_timeline(X: torch.Tensor, y: torch.Tensor, bucket_cap_mb: float) -> dict[str, Any]:
     """One ScratchDDP step on LeNet: when backward ran, and each bucket's allreduce, in s."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = ScratchDDP(lenet_model(seed=0), bucket_cap_mb, ring=ring)
+    model = ScratchDDP(lenet_model(seed=0), bucket_cap_mb)
     shard = X.chunk(world)[rank], y.chunk(world)[rank]
     for _ in range(3):  # warm-up, then the measured step
         model.module.zero_grad()

@@ -20,18 +20,18 @@ soon as every rank has mapped them: the mappings stay valid, and nothing is left
 even if a rank is killed (launch removes the file of a rank killed before that). The
 counters rely on x86-64 keeping stores in program order.
 """
-from __future__ import annotations
-
 import mmap
 import os
 import platform
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .comm_hooks import HelperThread
 from .p2p import SUPPORTED_DTYPES, check_tensor, flat_view
 
 SHM_DIR = Path("/dev/shm")
@@ -73,7 +73,7 @@ class SharedMemoryAllreduce:
         self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._count = 0  # what this rank's counter says now
 
-    def __enter__(self) -> SharedMemoryAllreduce:
+    def __enter__(self) -> "SharedMemoryAllreduce":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -169,6 +169,26 @@ class SharedMemoryAllreduce:
             f"SharedMemoryAllreduce on rank {self.rank}: rank{'s' if len(late) > 1 else ''} "
             f"{', '.join(map(str, late))} did not arrive within {self.timeout:g} s (crashed, "
             "or skipped an allreduce the others called); this object is now closed")
+
+
+class ShmHookState(HelperThread):
+    """State of shm_hook: a SharedMemoryAllreduce (built collectively, on every rank) and the
+    helper thread that runs it while backward goes on. Close it when training is done."""
+
+    def __init__(self, max_bytes: int = 2 << 20, *, timeout: float = 60.0) -> None:
+        super().__init__()
+        self.shm = SharedMemoryAllreduce(max_bytes, timeout=timeout)
+
+    def close(self) -> None:
+        super().close()
+        self.shm.close()
+
+
+def shm_hook(state: ShmHookState,
+             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A communication hook: average the bucket through shared memory (CPU, one host)."""
+    buffer = bucket.buffer().div_(state.shm.world)
+    return state.submit(state.shm.allreduce, buffer)
 
 
 def remove_segments_of(pid: int) -> None:

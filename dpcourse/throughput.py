@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import ExitStack
 from functools import partial
 from typing import Callable
 
@@ -20,9 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import p2p
+from .comm_hooks import HelperThread, ring_hook
 from .ddp import ScratchDDP
 from .launch import launch, rank_device
 from .lenet import lenet_model
+from .shm import ShmHookState, shm_hook
 
 ALLREDUCES: dict[str, Callable[[torch.Tensor], object]] = {
     "dist.all_reduce": dist.all_reduce,
@@ -128,14 +131,20 @@ def train_step_fn(model: nn.Module, batch_size: int, seed: int,
     return step
 
 
-def ddp_model(variant: str) -> nn.Module:
-    """LeNet wrapped in the named DDP variant (NO_ALLREDUCE: not wrapped)."""
+def ddp_model(variant: str, hooks: ExitStack) -> nn.Module:
+    """LeNet wrapped in the named DDP variant (NO_ALLREDUCE: not wrapped); the state of its
+    comm hook, if any, is closed with hooks."""
     net = lenet_model()
     if variant == NO_ALLREDUCE:
         return net
     if variant == "torch DDP":
         return nn.parallel.DistributedDataParallel(net)
-    return ScratchDDP(net, ring=variant == "ScratchDDP, ring", shm=variant == "ScratchDDP, shm")
+    ddp = ScratchDDP(net)
+    if variant == "ScratchDDP, ring":
+        ddp.register_comm_hook(hooks.enter_context(HelperThread()), ring_hook)
+    elif variant == "ScratchDDP, shm":
+        ddp.register_comm_hook(hooks.enter_context(ShmHookState()), shm_hook)
+    return ddp
 
 
 def timed_steps(step: Callable[[], None], steps: int) -> float:
@@ -152,12 +161,14 @@ def ddp_images_per_second_on_rank(steps: int, batch_size: int, repeats: int,
     """Global images/s of LeNet training with each variant, the variants alternated in
     repeats rounds of steps steps (median), after a warm-up; the slowest rank's time."""
     world = dist.get_world_size()
-    train = {v: train_step_fn(ddp_model(v), batch_size, seed=dist.get_rank()) for v in variants}
-    for step in train.values():
-        for _ in range(WARMUP_STEPS):
-            step()
-    order = [v for _ in range(repeats) for v in variants]
-    seconds = slowest_rank([timed_steps(train[v], steps) for v in order])
+    with ExitStack() as hooks:
+        train = {v: train_step_fn(ddp_model(v, hooks), batch_size, seed=dist.get_rank())
+                 for v in variants}
+        for step in train.values():
+            for _ in range(WARMUP_STEPS):
+                step()
+        order = [v for _ in range(repeats) for v in variants]
+        seconds = slowest_rank([timed_steps(train[v], steps) for v in order])
     images = world * batch_size * steps
     return {v: images / t for v, t in medians(order, seconds).items()}
 
@@ -216,26 +227,27 @@ def processes_and_threads_on_rank(steps: int, global_batch: int,
     a warm-up."""
     rank = dist.get_rank()
     alone = train_step_fn(lenet_model(), global_batch, seed=0)
-    together = {name: train_step_fn(model, global_batch // 2, seed=rank) for name, model in (
-        ("2 processes x 1 thread, no allreduce", lenet_model()),
-        ("2 processes x 1 thread", nn.parallel.DistributedDataParallel(lenet_model())),
-        ("2 processes x 1 thread, shm", ScratchDDP(lenet_model(), shm=True)))}
+    with ExitStack() as hooks:
+        together = {name: train_step_fn(ddp_model(variant, hooks), global_batch // 2, seed=rank)
+                    for name, variant in (("2 processes x 1 thread, no allreduce", NO_ALLREDUCE),
+                                          ("2 processes x 1 thread", "torch DDP"),
+                                          ("2 processes x 1 thread, shm", "ScratchDDP, shm"))}
 
-    def one_process(threads: int, n: int) -> float:  # rank 1 waits in the barrier that follows
-        torch.set_num_threads(threads)
-        seconds = timed_steps(alone, n if rank == 0 else 0)
-        torch.set_num_threads(1)
-        dist.barrier()
-        return seconds
+        def one_process(threads: int, n: int) -> float:  # rank 1 waits in the barrier that follows
+            torch.set_num_threads(threads)
+            seconds = timed_steps(alone, n if rank == 0 else 0)
+            torch.set_num_threads(1)
+            dist.barrier()
+            return seconds
 
-    cases = {"1 process x 1 thread": partial(one_process, 1),
-             "1 process x 2 threads": partial(one_process, 2),
-             **{name: partial(timed_steps, step) for name, step in together.items()}}
-    for case in cases.values():
-        case(WARMUP_STEPS)
-    order = [name for _ in range(repeats) for name in cases]
-    seconds = slowest_rank([cases[name](steps) for name in order])
-    return {name: global_batch * steps / t for name, t in medians(order, seconds).items()}
+        cases = {"1 process x 1 thread": partial(one_process, 1),
+                 "1 process x 2 threads": partial(one_process, 2),
+                 **{name: partial(timed_steps, step) for name, step in together.items()}}
+        for case in cases.values():
+            case(WARMUP_STEPS)
+        order = [name for _ in range(repeats) for name in cases]
+        seconds = slowest_rank([cases[name](steps) for name in order])
+        return {name: global_batch * steps / t for name, t in medians(order, seconds).items()}
 
 
 def compare_processes_and_threads(steps: int = 20, global_batch: int = 256, repeats: int = 3,

@@ -1,4 +1,5 @@
-"""Chapter 09: ZeRO stage 1 by hand - each rank keeps and steps one shard of the optimizer.
+"""Chapter 09: ZeRO by hand - each rank keeps and steps one shard of the optimizer (stage 1),
+and keeps only its shard's averaged gradients (stage 2, a communication hook).
 
 ``ShardedOptimizer(params, torch.optim.AdamW, lr=...)`` is used where a plain optimizer
 would be, once the gradients are the same on every rank (after ``ScratchDDP``, torch's DDP,
@@ -6,16 +7,19 @@ or identical inputs). The parameters are split among the ranks with balanced siz
 rank builds the real optimizer over its own shard only, so it holds only that shard's state
 (Adam's two moments), steps only that shard, and then every owner broadcasts its updated
 parameters, so that all ranks end each step with the same parameters as the plain
-optimizer's.
+optimizer's. ``ddp.register_comm_hook(GradientSharding(opt), reduce_scatter_hook)`` adds
+stage 2: each bucket is reduce-scattered to the ranks owning its parameters, and the other
+gradients are dropped before each step.
 """
-from __future__ import annotations
-
 import math
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .comm_hooks import HelperThread
 
 
 def partition(sizes: list[int], world_size: int, loads: list[int] | None = None) -> list[int]:
@@ -208,3 +212,98 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     for p in params:
                         p.copy_(flat[offset:offset + p.numel()].view_as(p))
                         offset += p.numel()
+
+
+class GradientSharding(HelperThread):
+    """State of reduce_scatter_hook (ZeRO-2): who owns which parameter (the ShardedOptimizer),
+    a helper thread for gloo's reduce_scatter (it returns no future to wait on), and what
+    makes accumulation right when a rank keeps only its own averaged gradients.
+
+    When backward ends, the gradients of parameters other ranks own are dropped: between
+    steps a rank holds only its shard's (during backward a bucket's full gradients exist, as
+    with DDP). A second synchronised backward before the step must add to the average a
+    rank holds, not average it again with the others' missing share: so the first gradient
+    of each backward sets aside the averages the last synchronised backward left, and the
+    reduce-scatter adds them back. Under no_sync every rank accumulates its full local
+    gradients, as with DDP; the step must follow a synchronised backward (else it raises).
+    """
+
+    def __init__(self, optimizer: ShardedOptimizer) -> None:
+        if not isinstance(optimizer, ShardedOptimizer):
+            raise TypeError("GradientSharding needs a zero.ShardedOptimizer over the module's "
+                            f"parameters, got {type(optimizer).__name__}")
+        super().__init__()
+        self.optimizer = optimizer
+        self.averaged: dict[nn.Parameter, weakref.ref] = {}  # left by the last sync
+        self.set_aside: dict[nn.Parameter, torch.Tensor] = {}
+        self._drop_queued = False
+        for p in optimizer._all_params():
+            if p.requires_grad:
+                p.register_hook(self._before_accumulate)
+        optimizer.register_step_pre_hook(self._check_synchronised)
+
+    def _before_accumulate(self, grad: torch.Tensor) -> None:
+        """Tensor hook, before a gradient accumulates: set aside the averages the last
+        synchronised backward left, if still in place (once per backward)."""
+        for p, written in self.averaged.items():
+            if p.grad is not None and p.grad is written():
+                self.set_aside[p] = p.grad
+                p.grad = None
+        self.averaged.clear()
+
+    def _queue_drop(self) -> None:
+        """Once per backward: after the DDP has written the gradients, keep only our own."""
+        if not self._drop_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._drop_others)
+            self._drop_queued = True
+
+    def _drop_others(self) -> None:
+        opt, self._drop_queued = self.optimizer, False
+        for p in opt._all_params():
+            if opt.owner(p) != opt.rank:
+                p.grad = None
+            elif p.grad is not None:
+                self.averaged[p] = weakref.ref(p.grad)
+
+    def _check_synchronised(self, *_: Any) -> None:
+        """Step pre-hook: nothing may still be set aside (dropped, so the next step can run)."""
+        if self.set_aside:
+            self.set_aside.clear()
+            raise RuntimeError("ZeRO-2: a backward under no_sync came after the last "
+                               "synchronised one, so this rank's gradients miss a part: "
+                               "synchronise the last micro-batch before step()")
+
+
+def reduce_scatter_hook(state: GradientSharding,
+                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """ZeRO-2's communication hook: the bucket's gradients laid out owner by owner, and
+    dist.reduce_scatter sends each rank the average of its own piece only: (w-1)/w of the
+    bucket per rank on a ring, half an allreduce's volume (gloo's reduce_scatter is not built
+    that way: chapter 10). The future's buffer holds this rank's averages, zeros elsewhere;
+    the other ranks' gradients are dropped when backward ends."""
+    opt = state.optimizer
+    state._queue_drop()
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    slices = buffer.split([p.numel() for p in params])
+    owners = [opt.owner(p) for p in params]
+    pieces = [torch.cat([g for g, o in zip(slices, owners) if o == r] or [buffer[:0]])
+              .div_(opt.world) for r in range(opt.world)]
+    own = [(g, state.set_aside.pop(p, None)) for p, g, o in zip(params, slices, owners)
+           if o == opt.rank]
+    return state.submit(_reduce_scatter, buffer, own, pieces, opt.rank)
+
+
+@torch.no_grad()
+def _reduce_scatter(buffer: torch.Tensor, own: list[tuple[torch.Tensor, torch.Tensor | None]],
+                    pieces: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """Sum each rank's piece onto it; return buffer with this rank's sums (plus what was set
+    aside) in its own slices (views of buffer), zeros elsewhere."""
+    mine = torch.empty_like(pieces[rank])
+    dist.reduce_scatter(mine, pieces)
+    buffer.zero_()
+    for (g, kept), piece in zip(own, mine.split([g.numel() for g, _ in own])):
+        g.copy_(piece)
+        if kept is not None:
+            g += kept.reshape(-1)
+    return buffer

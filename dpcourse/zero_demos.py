@@ -14,7 +14,7 @@ from .data_parallel import max_relative_difference
 from .ddp import ScratchDDP
 from .lenet import lenet_model
 from .memory import measured_bytes, train_step
-from .zero import ShardedOptimizer
+from .zero import GradientSharding, ShardedOptimizer, reduce_scatter_hook
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -63,7 +63,7 @@ def optimizer_for(way: str, ddp: ScratchDDP, lr: float,
         return ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, **hyper)
     opt = ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, **hyper)
     if way == "ZeRO-2":
-        ddp.shard_gradients(opt)  # reduce-scatter instead of allreduce
+        ddp.register_comm_hook(GradientSharding(opt), reduce_scatter_hook)
     return opt
 
 

@@ -15,13 +15,16 @@ from dpcourse.launch import launch
 WORLD = 2
 ONE_BUCKET, TWO_BUCKETS, PER_PARAMETER = 25.0, 1000 / 2**20, 0.0  # TiedNet holds 1664 bytes
 CONFIGS = (
-    [{"ddp": "scratch", "cap": cap, "ring": ring, "micro": 1}
-     for ring in (False, True) for cap in (ONE_BUCKET, TWO_BUCKETS, PER_PARAMETER)]
-    + [{"ddp": "scratch", "cap": PER_PARAMETER, "ring": ring, "micro": 2}
-       for ring in (False, True)]
-    + [{"ddp": "scratch", "cap": cap, "ring": False, "shm": True, "micro": micro}
+    [{"ddp": "scratch", "cap": cap, "hook": hook, "micro": 1}
+     for hook in (None, "ring") for cap in (ONE_BUCKET, TWO_BUCKETS, PER_PARAMETER)]
+    + [{"ddp": "scratch", "cap": PER_PARAMETER, "hook": hook, "micro": 2}
+       for hook in (None, "ring")]
+    + [{"ddp": "scratch", "cap": cap, "hook": "shm", "micro": micro}
        for cap, micro in ((TWO_BUCKETS, 1), (PER_PARAMETER, 2))]
-    + [{"ddp": "torch", "micro": 1}, {"ddp": "torch", "micro": 2}])
+    + [{"ddp": "scratch", "cap": TWO_BUCKETS, "hook": "allreduce", "micro": 1}]
+    # the same hook functions registered on torch's DDP
+    + [{"ddp": "torch", "hook": hook, "micro": 1} for hook in ("allreduce", "ring", "shm")]
+    + [{"ddp": "torch", "hook": None, "micro": 1}, {"ddp": "torch", "hook": None, "micro": 2}])
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def test_training_equals_one_process_on_the_global_batch(runs, i):
 
 @pytest.mark.parametrize("i", range(len(CONFIGS) - 2), ids=lambda i: str(CONFIGS[i]))
 def test_scratch_equals_torch_ddp(runs, i):
-    torch_run = CONFIGS.index({"ddp": "torch", "micro": CONFIGS[i]["micro"]})
+    torch_run = CONFIGS.index({"ddp": "torch", "hook": None, "micro": CONFIGS[i]["micro"]})
     for rank in range(WORLD):
         ours, theirs = runs[rank][i]["state"], runs[rank][torch_run]["state"]
         for name in theirs:
@@ -69,7 +72,7 @@ def test_bucket_counts_and_overlap(runs):
             assert record["launched_in_backward"] == record["buckets"]
             assert [b for b, _, _ in record["timeline"]] == list(range(record["buckets"]))
             # one allreduce per bucket and step: none under no_sync, none for the frozen layer
-            assert record["allreduces"] == _workers.STEPS * record["buckets"]
+            assert record["hook_calls"] == _workers.STEPS * record["buckets"]
 
 
 def test_buckets_go_through_the_collective_each_config_names(runs):
@@ -78,12 +81,12 @@ def test_buckets_go_through_the_collective_each_config_names(runs):
         cfg, calls = record["config"], record["calls"]
         if cfg["ddp"] != "scratch":
             continue
-        if cfg.get("shm"):
+        if cfg["hook"] == "shm":
             assert calls == {"all_reduce": 0, "isend": 0}
-        elif cfg["ring"]:
-            assert calls["all_reduce"] == 0 and calls["isend"] >= record["allreduces"]
+        elif cfg["hook"] == "ring":
+            assert calls["all_reduce"] == 0 and calls["isend"] >= record["hook_calls"]
         else:
-            assert calls == {"all_reduce": record["allreduces"], "isend": 0}
+            assert calls == {"all_reduce": record["hook_calls"], "isend": 0}
 
 
 def test_a_parameter_unused_on_one_rank_only_trains_like_torch_ddp():
@@ -141,6 +144,17 @@ def test_broadcast_then_averaged_gradients_equal_one_process_on_the_global_batch
         assert result["gradient difference"] < 1e-12  # float64: rounding only
 
 
-def test_evaluation_under_no_grad_on_rank_0_alone_runs_no_collective():
-    grads = launch(_workers.evaluate_on_rank_0_only, world_size=WORLD, backend="gloo", timeout=30)
-    assert grads[0] == grads[1] != 0  # and the training step after it synchronised as usual
+@pytest.fixture(scope="module")
+def evaluation_and_broken_hook() -> list[dict]:
+    return launch(_workers.evaluate_on_rank_0_only, world_size=WORLD, backend="gloo", timeout=30)
+
+
+def test_evaluation_under_no_grad_on_rank_0_alone_runs_no_collective(evaluation_and_broken_hook):
+    ranks = evaluation_and_broken_hook
+    assert ranks[0]["grad"] == ranks[1]["grad"] != 0  # the training step after it synchronised
+
+
+def test_a_comm_hook_returning_the_wrong_size_gives_a_clear_error(evaluation_and_broken_hook):
+    for rank in evaluation_and_broken_hook:
+        assert rank["wrong size"] == ("ValueError: comm hook wrong_size_hook returned 21 "
+                                      "elements for bucket 0, which holds 20")

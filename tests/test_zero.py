@@ -1,5 +1,5 @@
 """ShardedOptimizer (ZeRO-1) trains exactly like the plain optimizer, and ScratchDDP's
-shard_gradients (ZeRO-2) exactly like ZeRO-1.
+reduce_scatter_hook (ZeRO-2) exactly like ZeRO-1.
 
 Two launches, 2 and 3 ranks, each running its checks in one go (1 rank: a process group
 in the test's own process). The models are mostly float64
@@ -238,12 +238,12 @@ def test_clear_errors(runs):
     assert errors["no parameters"] == "ValueError: optimizer got an empty parameter list"
     assert "parameter groups do not match" in errors["wrong state"]
     assert "parameters per group [1] loaded, [9] here" in errors["wrong state"]
-    assert "without ring=True or shm=True" in errors["ring"]
-    assert errors["other parameters"].startswith(
-        "ValueError: parameter 'embed.weight' of the module is not one of the optimizer's: "
-        "build the ShardedOptimizer over ddp.parameters()")
+    assert errors["hook twice"] == ("RuntimeError: register_comm_hook: a communication hook "
+                                    "is already registered (it can be registered only once)")
+    assert errors["other parameters"].startswith("ValueError: a parameter of shape (")
+    assert errors["other parameters"].endswith("is not one of this optimizer's parameters")
     assert errors["plain optimizer"] == (
-        "TypeError: shard_gradients needs a zero.ShardedOptimizer over this module's "
+        "TypeError: GradientSharding needs a zero.ShardedOptimizer over the module's "
         "parameters, got SGD")
     assert errors["no_sync last"].startswith("RuntimeError: ZeRO-2: a backward under no_sync "
                                              "came after the last synchronised one")
