@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from dpcourse import _workers, rank_demos
+import workers
+from dpcourse.experiments import rank_demos
 from dpcourse.ddp import make_buckets
 from dpcourse.launch import launch
 
@@ -30,12 +31,12 @@ CONFIGS = (
 @pytest.fixture(scope="module")
 def runs() -> list[list[dict]]:
     """For each rank, one record per config: the final state_dict and bucket statistics."""
-    return launch(_workers.ddp_runs, CONFIGS, world_size=WORLD, backend="gloo", timeout=120)
+    return launch(workers.ddp_runs, CONFIGS, world_size=WORLD, backend="gloo", timeout=120)
 
 
 def single_process(micro_batches: int) -> dict:
     """The reference: rank 0's initial weights, trained on the whole of every batch."""
-    return _workers.train_steps(_workers.tied_net(seed=0), 0, 1, micro_batches)
+    return workers.train_steps(workers.tied_net(seed=0), 0, 1, micro_batches)
 
 
 def unprefixed(state: dict) -> dict:
@@ -72,7 +73,7 @@ def test_bucket_counts_and_overlap(runs):
             assert record["launched_in_backward"] == record["buckets"]
             assert [b for b, _, _ in record["timeline"]] == list(range(record["buckets"]))
             # one allreduce per bucket and step: none under no_sync, none for the frozen layer
-            assert record["hook_calls"] == _workers.STEPS * record["buckets"]
+            assert record["hook_calls"] == workers.STEPS * record["buckets"]
 
 
 def test_buckets_go_through_the_collective_each_config_names(runs):
@@ -92,11 +93,11 @@ def test_buckets_go_through_the_collective_each_config_names(runs):
 def test_a_parameter_unused_on_one_rank_only_trains_like_torch_ddp():
     """Rank 1 alone skips a layer in one step: no hang, and the same training as torch's DDP
     with find_unused_parameters=True (rank 1 adds a zero gradient for that layer)."""
-    for ranks_runs in launch(_workers.unused_on_rank_1, world_size=WORLD, backend="gloo",
+    for ranks_runs in launch(workers.unused_on_rank_1, world_size=WORLD, backend="gloo",
                              timeout=60):
         theirs = ranks_runs.pop("torch")
         assert not torch.equal(theirs["module.sometimes.weight"],
-                               _workers.tied_net(seed=0).sometimes.weight)  # it trained
+                               workers.tied_net(seed=0).sometimes.weight)  # it trained
         used = ranks_runs.pop("torch, used everywhere")["module.sometimes.weight"]
         assert not torch.allclose(theirs["module.sometimes.weight"], used)  # the skip mattered
         for name, ours in ranks_runs.items():
@@ -106,7 +107,7 @@ def test_a_parameter_unused_on_one_rank_only_trains_like_torch_ddp():
 
 
 def test_frozen_parameter_and_buffer_are_rank_0s_on_every_rank(runs):
-    start = _workers.tied_net(seed=0)
+    start = workers.tied_net(seed=0)
     for rank in range(WORLD):
         for record in runs[rank]:
             state = unprefixed(record["state"])
@@ -146,7 +147,7 @@ def test_broadcast_then_averaged_gradients_equal_one_process_on_the_global_batch
 
 @pytest.fixture(scope="module")
 def evaluation_and_broken_hook() -> list[dict]:
-    return launch(_workers.evaluate_on_rank_0_only, world_size=WORLD, backend="gloo", timeout=30)
+    return launch(workers.evaluate_on_rank_0_only, world_size=WORLD, backend="gloo", timeout=30)
 
 
 def test_evaluation_under_no_grad_on_rank_0_alone_runs_no_collective(evaluation_and_broken_hook):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpcourse import _workers
+import workers
 from dpcourse.launch import LaunchTimeoutError, RankError, choose_backend, launch
 
 try:
@@ -52,7 +52,7 @@ def test_two_launches_at_once_each_return_values_in_rank_order(capsys, own_tempd
 
     def run(tag: str) -> None:
         try:
-            results[tag] = launch(_workers.whoami, tag, world_size=worlds[tag], backend="gloo",
+            results[tag] = launch(workers.whoami, tag, world_size=worlds[tag], backend="gloo",
                                   timeout=120)
         except BaseException as exc:  # noqa: BLE001 - reported by the test, not the thread
             results[tag] = exc
@@ -79,7 +79,7 @@ def test_two_launches_at_once_each_return_values_in_rank_order(capsys, own_tempd
 def test_a_raising_rank_is_named_with_its_traceback():
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        launch(_workers.fail_on, 1, backend="gloo", timeout=60)
+        launch(workers.fail_on, 1, backend="gloo", timeout=60)
     assert time.monotonic() - start < 60
     assert info.value.rank == 1
     message = str(info.value)
@@ -87,25 +87,25 @@ def test_a_raising_rank_is_named_with_its_traceback():
     assert "Traceback" in message and "in fail_on" in message
     assert children_left() == []
     # the next launch, right after, starts afresh (and threads is honoured)
-    assert launch(_workers.whoami, "again", world_size=1, threads=2)[0]["threads"] == 2
+    assert launch(workers.whoami, "again", world_size=1, threads=2)[0]["threads"] == 2
 
 
 def test_ranks_end_without_python_shutdown_where_gloo_threads_could_abort_them(tmp_path):
     # torch keeps a destroyed gloo group's threads alive until shutdown once an optimizer
     # exists; shutting down with them can abort a rank (SIGABRT) after its result is saved
     at_exit = tmp_path / "at-exit-of-rank-"
-    assert launch(_workers.optimizer_and_atexit, str(at_exit), backend="gloo") == [0, 1]
+    assert launch(workers.optimizer_and_atexit, str(at_exit), backend="gloo") == [0, 1]
     assert list(tmp_path.iterdir()) == []
 
 
 def test_what_a_rank_prints_from_c_is_replayed_too(capsys, monkeypatch):
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # C's stdout: buffered in the file
-    assert launch(_workers.print_from_c, "printf reached the parent", backend="gloo") == [0, 1]
+    assert launch(workers.print_from_c, "printf reached the parent", backend="gloo") == [0, 1]
     assert capsys.readouterr().out.count("printf reached the parent") == 2
 
 
 def test_a_ranks_own_child_processes_end_with_it():
-    [pid] = launch(_workers.start_a_sleeper, world_size=1, backend="gloo")
+    [pid] = launch(workers.start_a_sleeper, world_size=1, backend="gloo")
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
@@ -114,7 +114,7 @@ def test_a_hanging_rank_ends_in_a_timeout_error_naming_the_running_ranks():
     timeout = 8.0
     start = time.monotonic()
     with pytest.raises(LaunchTimeoutError, match="timed out after 8 s") as info:
-        launch(_workers.hang_on, 1, backend="gloo", timeout=timeout)
+        launch(workers.hang_on, 1, backend="gloo", timeout=timeout)
     assert time.monotonic() - start < timeout + 6
     assert info.value.ranks == [0, 1]  # rank 1 sleeps, rank 0 waits for it in all_reduce
     assert isinstance(info.value, TimeoutError)
@@ -128,7 +128,7 @@ def test_ctrl_c_stops_every_rank():
     signal.setitimer(signal.ITIMER_REAL, 6.0)  # "Ctrl-C" 6 s into a launch that would hang
     try:
         with pytest.raises(KeyboardInterrupt):
-            launch(_workers.hang_on, 0, world_size=1, timeout=60)  # rank 0 sleeps
+            launch(workers.hang_on, 0, world_size=1, timeout=60)  # rank 0 sleeps
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -150,12 +150,12 @@ def test_a_notebook_function_gets_a_clear_error(monkeypatch):
 
 def test_bad_arguments_and_backends():
     with pytest.raises(ValueError, match="world_size"):
-        launch(_workers.whoami, "x", world_size=0)
+        launch(workers.whoami, "x", world_size=0)
     with pytest.raises(ValueError, match="threads"):
-        launch(_workers.whoami, "x", threads=0)
+        launch(workers.whoami, "x", threads=0)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="nccl needs one GPU per rank"):
-            launch(_workers.whoami, "x", backend="nccl")
+            launch(workers.whoami, "x", backend="nccl")
     with pytest.raises(ValueError, match="backend"):
         choose_backend(2, "mpi")
 

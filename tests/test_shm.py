@@ -6,7 +6,7 @@ launch, which runs every case in turn on one object, then its error cases.
 import pytest
 import torch
 
-from dpcourse import _workers
+import workers
 from dpcourse.launch import RankError, launch
 from dpcourse.shm import SharedMemoryAllreduce
 from shm_checks import assert_equals_all_reduce, segment_files
@@ -23,7 +23,7 @@ CASES = ([(n, dt, False) for n in SIZES for dt in DTYPES]
 def run(request) -> tuple[int, list[dict], set[str]]:
     """The world size, each rank's report, and the segment files the launch left behind."""
     before = segment_files()
-    reports = launch(_workers.shm_against_all_reduce, CASES, MAX_BYTES,
+    reports = launch(workers.shm_against_all_reduce, CASES, MAX_BYTES,
                      world_size=request.param, backend="gloo", timeout=60)
     return request.param, reports, segment_files() - before
 
@@ -39,9 +39,9 @@ def test_sums_equal_dist_all_reduce(run):
 def test_every_slice_is_summed_in_rank_order(run):
     world, reports, _ = run
     for i, (numel, dtype, transposed) in enumerate(CASES):
-        expected = _workers.shm_input(0, numel, dtype, transposed).clone()
+        expected = workers.shm_input(0, numel, dtype, transposed).clone()
         for rank in range(1, world):
-            expected += _workers.shm_input(rank, numel, dtype, transposed)
+            expected += workers.shm_input(rank, numel, dtype, transposed)
         for report in reports:  # the same bits on every rank
             assert torch.equal(report["records"][i]["result"], expected), CASES[i]
 
@@ -84,14 +84,14 @@ def test_wrong_calls_raise_the_same_clear_error_on_every_rank(run):
 def test_no_segment_left_when_a_rank_is_killed():
     before = segment_files()
     with pytest.raises(RankError, match="killed by signal SIGKILL"):
-        launch(_workers.shm_crash, 1, world_size=2, backend="gloo", timeout=30)
+        launch(workers.shm_crash, 1, world_size=2, backend="gloo", timeout=30)
     assert segment_files() - before == set()
 
 
 def test_no_segment_left_when_a_rank_is_killed_while_building_it():
     before = segment_files()
     with pytest.raises(RankError, match="killed by signal SIGKILL"):
-        launch(_workers.shm_crash_while_building, 1, world_size=2, backend="gloo", timeout=30)
+        launch(workers.shm_crash_while_building, 1, world_size=2, backend="gloo", timeout=30)
     assert segment_files() - before == set()
 
 

@@ -6,11 +6,11 @@ with a buffer smaller than the largest case, then every SHM_STEPS factory sums a
 import pytest
 import torch
 
-from dpcourse import _shm_workers
-from dpcourse._workers import shm_input
+import shm_workers
 from dpcourse.launch import launch
 from dpcourse.shm_steps import SHM_STEPS, WHOLE_TENSOR_BYTES
 from shm_checks import assert_equals_all_reduce, segment_files
+from workers import shm_input
 
 WORLDS = [2, 3]
 MAX_BYTES = 1 << 14  # 16 KiB in all: 4099 elements take 2-3 rounds, 50_000 take dozens
@@ -27,7 +27,7 @@ STEP_TYPES = ["PlainBarriers", "SpinCounters", "SharedMemoryAllreduce", "SharedM
 def run(request) -> tuple[int, list[dict], set[str]]:
     """The world size, each rank's report, and the segment files the launch left behind."""
     before = segment_files()
-    reports = launch(_shm_workers.steps_against_all_reduce, CASES, MAX_BYTES, PASSES,
+    reports = launch(shm_workers.steps_against_all_reduce, CASES, MAX_BYTES, PASSES,
                      FACTORY_CASES, world_size=request.param, backend="gloo", timeout=120)
     return request.param, reports, segment_files() - before
 
@@ -35,7 +35,7 @@ def run(request) -> tuple[int, list[dict], set[str]]:
 def rank_order_sum(world: int, call: int, numel: int, dtype: torch.dtype,
                    transposed: bool) -> torch.Tensor:
     """The inputs of that call summed one rank after another, as every step sums a slice."""
-    inputs = [shm_input(_shm_workers.seed_rank(r, call), numel, dtype, transposed)
+    inputs = [shm_input(shm_workers.seed_rank(r, call), numel, dtype, transposed)
               for r in range(world)]
     total = inputs[0].clone()
     for x in inputs[1:]:

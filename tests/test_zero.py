@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from dpcourse import _zero_workers
+import zero_workers
 from dpcourse.launch import launch
 from dpcourse.zero import ShardedOptimizer, partition
 
@@ -25,7 +25,7 @@ RUNS = [(w, case) for w in WORLDS for case in CASES]
 CAPS = (25.0, 0.0)  # one bucket; one bucket per parameter
 CLOSE = {"rtol": 1e-9, "atol": 1e-12}
 CLOSE32 = {"rtol": 1e-6, "atol": 1e-7}  # float32 after 10 steps
-ACCUMULATIONS = list(_zero_workers.ACCUMULATIONS)
+ACCUMULATIONS = list(zero_workers.ACCUMULATIONS)
 CLIPPINGS = [(w, stage, norm) for w in WORLDS for stage in ("zero1", "zero2")
              for norm in (2.0, math.inf)]
 
@@ -33,7 +33,7 @@ CLIPPINGS = [(w, stage, norm) for w in WORLDS for stage in ("zero1", "zero2")
 @pytest.fixture(scope="module")
 def runs() -> dict[int, list[dict]]:
     """world size -> each rank's results; the rank-count independent checks run on 2."""
-    return {w: launch(_zero_workers.zero_checks, CASES, w == 2, world_size=w,
+    return {w: launch(zero_workers.zero_checks, CASES, w == 2, world_size=w,
                       backend="gloo", timeout=300) for w in WORLDS}
 
 
@@ -51,7 +51,7 @@ def run_id(run):
 @pytest.mark.parametrize("world, case", RUNS, ids=list(map(run_id, RUNS)))
 def test_sharded_optimizer_equals_the_plain_one_after_every_step(runs, world, case):
     for record in records(runs, world, case):
-        assert len(record["ours"]) == _zero_workers.STEPS
+        assert len(record["ours"]) == zero_workers.STEPS
         for ours, plain in zip(record["ours"], record["plain"]):
             assert ours.dtype == (torch.float32 if case[0] == "tied32" else torch.float64)
             torch.testing.assert_close(ours, plain, **(CLOSE32 if case[0] == "tied32"
@@ -132,7 +132,7 @@ def test_state_dict_round_trips_between_sharded_and_plain(runs):
         torch.testing.assert_close(r["sharded"], r["plain"], **CLOSE)
         torch.testing.assert_close(r["plain_from_sharded"], r["plain"], **CLOSE)
         torch.testing.assert_close(r["sharded_from_plain"], r["plain"], **CLOSE)
-        assert r["lrs_after_load"] == [0.05, _zero_workers.OPTIMIZERS["AdamW"][1]["lr"]]
+        assert r["lrs_after_load"] == [0.05, zero_workers.OPTIMIZERS["AdamW"][1]["lr"]]
 
 
 @pytest.mark.parametrize("opt_name", ["Adam", "AdamW"])
@@ -143,8 +143,8 @@ def test_a_scheduler_and_two_groups_train_like_the_plain_optimizer(runs, opt_nam
         r = rank_result["scheduled"][opt_name]
         for ours, plain in zip(r["sharded"], r["plain"]):
             torch.testing.assert_close(ours, plain, **CLOSE)
-        lr = _zero_workers.OPTIMIZERS[opt_name][1]["lr"]
-        decays = (_zero_workers.STEPS - 1) // 2  # the lr of the last step: copied at step()
+        lr = zero_workers.OPTIMIZERS[opt_name][1]["lr"]
+        decays = (zero_workers.STEPS - 1) // 2  # the lr of the last step: copied at step()
         assert r["local_lrs"] == pytest.approx([0.05 * 0.1**decays, lr * 0.1**decays])
 
 
@@ -154,7 +154,7 @@ def test_add_param_group_shares_out_the_new_parameters_only(runs, opt_name):
         r = rank_result["add_group"][opt_name]
         torch.testing.assert_close(r["sharded"], r["plain"], **CLOSE)
         assert r["owners_after"] == r["owners_before"]
-        assert r["local_lrs"] == [_zero_workers.OPTIMIZERS[opt_name][1]["lr"], 0.05]
+        assert r["local_lrs"] == [zero_workers.OPTIMIZERS[opt_name][1]["lr"], 0.05]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -255,9 +255,9 @@ def test_without_a_process_group_the_error_says_how_to_get_one():
 
 
 def test_one_rank_owns_everything_and_trains_like_the_plain_optimizer():
-    with _zero_workers.one_rank_group():
-        record = _zero_workers.sharded_against_plain("tied", "AdamW")
-        z = _zero_workers.zero2_against_zero1(0.0)
+    with zero_workers.one_rank_group():
+        record = zero_workers.sharded_against_plain("tied", "AdamW")
+        z = zero_workers.zero2_against_zero1(0.0)
     for ours, plain in zip(record["ours"], record["plain"]):
         torch.testing.assert_close(ours, plain, **CLOSE)
     assert set(record["owners"]) == {0} and record["with_state"] == record["trainable"]

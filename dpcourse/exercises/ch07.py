@@ -21,10 +21,10 @@ def chunk_numels(n: int, world: int) -> list[int]:
 
 
 def ring_sent_reference(n: int, world: int, rank: int) -> int:
-    """Elements rank sends in p2p.ring_allreduce of n elements: chunk (rank - step) % world
-    in each of the 2(world-1) steps."""
+    """Elements rank sends in p2p.ring_allreduce of n elements: chunk (rank - step - 1) % world
+    in each of the 2(world-1) steps (p2p.ring_chunks)."""
     sizes = chunk_numels(n, world)
-    return sum(sizes[(rank - step) % world] for step in range(2 * (world - 1)))
+    return sum(sizes[(rank - step - 1) % world] for step in range(2 * (world - 1)))
 
 
 def _ring_hint(got: object, n: int, world: int, rank: int) -> str:
@@ -36,12 +36,12 @@ def _ring_hint(got: object, n: int, world: int, rank: int) -> str:
         return "with one rank there is no neighbour: nothing is sent"
     if got == 2 * (world - 1) * sizes[rank]:
         return ("a rank does not send its own chunk every time: in step s rank r sends chunk "
-                "(r - s) % world, a different one each step")
+                "(r - s - 1) % world, a different one each step")
     if got == 2 * (world - 1) * n // world or got == 2 * (world - 1) * n / world:
         return (f"2(world-1)/world * n holds only on average: tensor_split gives chunks of "
                 f"{sizes}, so count which chunks this rank sends")
     return (f"the chunks have {sizes} elements (tensor_split: the first n % world get one more); "
-            "in step s = 0 .. 2(world-1)-1 rank r sends chunk (r - s) % world")
+            "in step s = 0 .. 2(world-1)-1 rank r sends chunk (r - s - 1) % world")
 
 
 def check_ring_sent(ring_sent: Callable[[int, int, int], int] | None) -> None:

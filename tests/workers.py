@@ -1,4 +1,4 @@
-"""Functions the tests run on every rank with ``launch`` (spawned ranks import them here)."""
+"""Functions the tests launch on every rank; ranks import them from tests/ (pytest's sys.path, via spawn)."""
 from __future__ import annotations
 
 import atexit
@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import p2p
-from .comm_hooks import HelperThread, allreduce_hook, ring_hook
-from .ddp import ScratchDDP
-from .launch import rank_device
-from .shm import ShmHookState, shm_hook
+from dpcourse import p2p
+from dpcourse.comm_hooks import HelperThread, allreduce_hook, ring_hook
+from dpcourse.ddp import ScratchDDP
+from dpcourse.launch import rank_device
+from dpcourse.shm import ShmHookState, shm_hook
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
                "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
@@ -112,7 +112,7 @@ def counted_calls(names: tuple[str, ...]) -> Iterator[dict[str, int]]:
         yield counts
 
 
-def p2p_against_all_reduce(cases: list[tuple], worlds: list[int]) -> list[dict]:
+def p2p_cases_in_subgroups(cases: list[tuple], worlds: list[int]) -> list[dict]:
     """For each group of the first w ranks (w in worlds) and each case (algorithm, numel,
     dtype, transposed, keyword arguments): our sum, dist.all_reduce's sum and the elements
     sent, with every collective forbidden while ours runs."""
@@ -130,6 +130,56 @@ def p2p_against_all_reduce(cases: list[tuple], worlds: list[int]) -> list[dict]:
             out.append({"world": w, "case": (name, numel, dtype, transposed, kwargs),
                         "result": x, "expected": expected, "sent": sent,
                         "contiguous": x.is_contiguous()})
+    return out
+
+
+# torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def padded_chunks(flat: torch.Tensor, world: int) -> torch.Tensor:
+    """flat's chunks of tensor_split(world) as the rows of a zero-padded (world, largest)
+    tensor: the equal sizes dist.reduce_scatter_tensor and all_gather_into_tensor need."""
+    chunks = flat.tensor_split(world)
+    rows = flat.new_zeros(world, len(chunks[0]))
+    for row, chunk in zip(rows, chunks):
+        row[:len(chunk)] = chunk
+    return rows
+
+
+def p2p_halves_against_collectives(cases: list[tuple], worlds: list[int]) -> list[dict]:
+    """For each group of the first w ranks (w in worlds) and each case (numel, dtype,
+    transposed, keyword arguments): this rank's chunk after p2p.ring_reduce_scatter and
+    dist.reduce_scatter_tensor's, the tensor after p2p.ring_all_gather and
+    dist.all_gather_into_tensor's, the tensor after both halves in turn and after
+    p2p.ring_allreduce, and the elements each sent; every collective forbidden while ours run."""
+    groups = {w: dist.new_group(list(range(w))) for w in worlds}  # every rank, same order
+    rank, out = dist.get_rank(), []
+    for w in worlds:
+        if rank >= w:
+            continue
+        for numel, dtype, transposed, kwargs in cases:
+            x = shm_input(rank, numel, dtype, transposed)
+            rows = padded_chunks(x.reshape(-1), w)
+            own_sum, everyone = torch.empty_like(rows[rank]), torch.empty_like(rows)
+            _REDUCE_SCATTER(own_sum, rows.view(-1), group=groups[w])
+            _ALL_GATHER(everyone.view(-1), rows[rank].clone(), group=groups[w])
+            sizes = [len(c) for c in x.reshape(-1).tensor_split(w)]
+            reduced, gathered, halves, allreduced = (x.clone() for _ in range(4))
+            with no_collectives():
+                sent = {"reduce-scatter": p2p.ring_reduce_scatter(reduced, groups[w], **kwargs),
+                        "all-gather": p2p.ring_all_gather(gathered, groups[w], **kwargs),
+                        "halves": p2p.ring_reduce_scatter(halves, groups[w], **kwargs)
+                        + p2p.ring_all_gather(halves, groups[w], **kwargs),
+                        "allreduce": p2p.ring_allreduce(allreduced, groups[w], **kwargs)}
+            out.append({"world": w, "case": (numel, dtype, transposed, kwargs), "sent": sent,
+                        "own chunk": reduced.reshape(-1).tensor_split(w)[rank],
+                        "expected own chunk": own_sum[:sizes[rank]],
+                        "gathered": gathered, "expected gathered": torch.cat(
+                            [row[:n] for row, n in zip(everyone, sizes)]).view(x.shape),
+                        "halves": halves, "allreduced": allreduced, "sizes": sizes,
+                        "contiguous": [t.is_contiguous() for t in (reduced, gathered, halves)]})
     return out
 
 
@@ -282,14 +332,14 @@ def shm_input(rank: int, numel: int, dtype: torch.dtype, transposed: bool) -> to
 
 def own_segments() -> list[str]:
     """The shared-memory files this process has in /dev/shm."""
-    from .shm import PREFIX, SHM_DIR
+    from dpcourse.shm import PREFIX, SHM_DIR
     return sorted(p.name for p in SHM_DIR.glob(f"{PREFIX}{os.getpid()}-*"))
 
 
 def shm_against_all_reduce(cases: list[tuple], max_bytes: int) -> dict:
     """Each case (numel, dtype, transposed) summed by one SharedMemoryAllreduce, in turn, with
     every collective forbidden, next to dist.all_reduce's sum; then the errors it raises."""
-    from .shm import SharedMemoryAllreduce
+    from dpcourse.shm import SharedMemoryAllreduce
     rank = dist.get_rank()
     records = []
     with SharedMemoryAllreduce(max_bytes) as shm:
@@ -310,7 +360,7 @@ def shm_against_all_reduce(cases: list[tuple], max_bytes: int) -> dict:
 
 def mapped_segments() -> int:
     """How many shared-memory segments this process still has mapped."""
-    from .shm import PREFIX
+    from dpcourse.shm import PREFIX
     with open("/proc/self/maps") as maps:
         return sum(PREFIX in line for line in maps)
 
@@ -326,7 +376,7 @@ def _error_of(fn, *args) -> str | None:
 
 def shm_errors(shm) -> dict:
     """What shm raises for wrong calls, and whether it still works afterwards."""
-    from .shm import SharedMemoryAllreduce
+    from dpcourse.shm import SharedMemoryAllreduce
     rank = dist.get_rank()
     errors = {
         "numel": _error_of(shm.allreduce, torch.ones(5 + (rank == 1))),
@@ -352,7 +402,7 @@ def shm_crash_while_building(bad_rank: int) -> None:
     mapped by the others (so not yet removed); the others wait for it."""
     import signal
 
-    from .shm import SharedMemoryAllreduce
+    from dpcourse.shm import SharedMemoryAllreduce
     if dist.get_rank() == bad_rank:
         dist.all_gather_object = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
     SharedMemoryAllreduce(1 << 16)
@@ -362,7 +412,7 @@ def shm_crash(bad_rank: int) -> None:
     """Every rank sums once; then bad_rank is killed while the others wait in the next sum."""
     import signal
 
-    from .shm import SharedMemoryAllreduce
+    from dpcourse.shm import SharedMemoryAllreduce
     shm = SharedMemoryAllreduce(1 << 16)
     shm.allreduce(torch.ones(1000))
     if dist.get_rank() == bad_rank:

@@ -1,4 +1,4 @@
-"""Functions tests/test_shm_steps.py runs on every rank with ``launch``."""
+"""What test_shm_steps.py launches on every rank; ranks import it from tests/ (pytest's sys.path, via spawn)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -6,9 +6,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from ._workers import mapped_segments, no_collectives, own_segments, shm_input
-from .shm import SharedMemoryAllreduce
-from .shm_steps import SHM_STEPS, PlainBarriers, SpinCounters
+from dpcourse.shm import SharedMemoryAllreduce
+from dpcourse.shm_steps import SHM_STEPS, PlainBarriers, SpinCounters
+from workers import mapped_segments, no_collectives, own_segments, shm_input
 
 STEP_CLASSES = (PlainBarriers, SpinCounters, SharedMemoryAllreduce)
 

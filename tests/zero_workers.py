@@ -1,4 +1,4 @@
-"""Functions the ZeRO tests run on every rank with ``launch`` (chapter 09)."""
+"""What the ZeRO tests launch on every rank; ranks import it from tests/ (pytest's sys.path, via spawn)."""
 from __future__ import annotations
 
 import copy
@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import zero_demos
-from ._workers import tied_net
-from .comm_hooks import allreduce_hook
-from .ddp import ScratchDDP
-from .memory import measured_bytes
-from .zero import GradientSharding, ShardedOptimizer, reduce_scatter_hook
+from dpcourse.experiments import zero_demos
+from dpcourse.comm_hooks import allreduce_hook
+from dpcourse.ddp import ScratchDDP
+from dpcourse.memory import measured_bytes
+from dpcourse.zero import GradientSharding, ShardedOptimizer, reduce_scatter_hook
+from workers import tied_net
 
 STEPS = 10
 ACCUMULATION_STEPS = 4
