@@ -11,54 +11,21 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from . import memory, performance
 from .collectives import allreduce, get_params
-from .cost_model import AlphaBeta, best_layout, cost_in_step, fit_alpha_beta, relative_errors
-from .hardware import devices, synchronize
+from .cost_model import AlphaBeta, best_layout, cost_in_step
+from .experiments import performance, zero_memory
+from .experiments.performance import FIT_FROM, FIT_TO, fit_allreduces, size_label
+from .experiments.simulated import forward_backward_seconds
+from .experiments.throughput import (ALLREDUCES, NO_ALLREDUCE, bus_bandwidth, compare_ddp,
+                                     compare_processes_and_threads)
+from .experiments.timing import alternate, median_seconds
+from .hardware import devices
 from .lenet import init_lenet_params, lenet, loss
 from .ring import ring_allreduce
-from .throughput import (ALLREDUCES, NO_ALLREDUCE, bus_bandwidth, compare_ddp,
-                         compare_processes_and_threads)
 from .training import sgd, train_batch
-
-
-def interleaved(cases: dict[str, Callable[[], None]], repeats: int,
-                devs: list[torch.device]) -> dict[str, float]:
-    """Median seconds per case, timing the cases round-robin so drifts hit all of them alike."""
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():  # warm-up
-        fn()
-    for _ in range(repeats):
-        for name, fn in cases.items():
-            synchronize(devs)
-            start = time.perf_counter()
-            fn()
-            synchronize(devs)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def forward_backward_seconds(threads: list[int], batch_size: int = 128,
-                             repeats: int = 10) -> dict[int, float]:
-    """Median seconds of LeNet's forward and backward pass on batch_size images on the CPU,
-    for each number of threads (torch.set_num_threads), after a warm-up."""
-    X, y = torch.rand(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
-    params = get_params(init_lenet_params(0, scale=0.1), torch.device("cpu"))
-
-    def step(n: int) -> None:
-        torch.set_num_threads(n)
-        loss(lenet(X, params), y).sum().backward()
-
-    before = torch.get_num_threads()
-    try:
-        medians = interleaved({str(n): lambda n=n: step(n) for n in threads}, repeats, [])
-    finally:
-        torch.set_num_threads(before)
-    return {int(n): t for n, t in medians.items()}
 
 
 def bench_train_batch(batch_size: int, repeats: int, figures: dict | None = None) -> None:
@@ -78,7 +45,7 @@ def bench_train_batch(batch_size: int, repeats: int, figures: dict | None = None
         dp = [get_params(params, d) for d in devs]
         cases[f"train_batch, k={k}"] = (lambda dp=dp, devs=devs:
                                         train_batch(X, y, dp, devs, 0.2))
-    result = interleaved(cases, repeats, [])
+    result = median_seconds(alternate(cases, repeats))
     if figures is not None:
         figures.update(result)
     base = result["plain step, 1 device"]
@@ -102,7 +69,7 @@ def bench_allreduce(repeats: int, figures: dict | None = None) -> None:
             per_device = [[torch.randn(s) for s in shapes] for _ in range(k)]
             cases = {c.__name__: (lambda c=c: [c(list(ts)) for ts in zip(*per_device)])
                      for c in (allreduce, ring_allreduce)}
-            r = interleaved(cases, repeats, [])
+            r = median_seconds(alternate(cases, repeats))
             naive, ring = r["allreduce"] * 1e3, r["ring_allreduce"] * 1e3
             n = sum(t.numel() for t in per_device[0])
             busiest = [max(map(sum, zip(*[c(list(ts)) for ts in zip(*per_device)]))) / n
@@ -136,16 +103,15 @@ WORLDS = (2, 4)  # the allreduce sweep's process counts
 ANATOMY_BATCH = {"lenet": 64, "resnet18": 16}  # per process; bench_buckets uses ResNet-18's
 BUCKET_BATCH = 16
 SCALING_BATCH = 128
-FIT_FROM, FIT_TO = 64 * 2**10, 64 * 2**20  # bytes: the range the issue's 30% goal covers
 ZERO_BATCH = 64
 SHM_DDP_BATCHES = (16, 128)  # images per process
 NEAR_BEST = 1.05  # bucket caps whose step is within 5% of the best are printed as ties
 
 
-def verdict(ratio: float, target: float) -> str:
-    """The ratio, the issue's target next to it, and whether it is met."""
-    met = "meets target" if ratio >= target else "below target"
-    return f"x{ratio:.2f} (target >= {target}x: {met})"
+def verdict(ratio: float, goal: float) -> str:
+    """The ratio, the course's goal for it, and whether it is met."""
+    met = "goal met" if ratio >= goal else "below the goal"
+    return f"x{ratio:.2f} (goal >= {goal}x: {met})"
 
 
 def bench_processes(repeats: int, sweeps: dict[int, dict], steps: int, figures: dict) -> None:
@@ -183,14 +149,6 @@ def bench_processes(repeats: int, sweeps: dict[int, dict], steps: int, figures: 
 
 # --- chapter 08 --------------------------------------------------------------------------------
 
-def size_label(nbytes: float) -> str:
-    """4096 -> '4 KiB', 1.5 * 2**20 -> '1.5 MiB' (3 significant digits, or whole units)."""
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10), ("B", 1)):
-        if nbytes >= scale or unit == "B":
-            value = nbytes / scale
-            return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
-
-
 def print_sweep(seconds: dict[str, dict[int, float]], world: int, repeats: int) -> None:
     """The sweep as a table: per implementation, ms per call and bus bandwidth in GB/s."""
     busbw = performance.sweep_busbw(seconds, world)
@@ -220,29 +178,14 @@ def shm_goals(seconds: dict[str, dict[int, float]], world: int) -> dict[str, flo
     return ratios
 
 
-def fit_allreduces(seconds: dict[str, dict[int, float]]) -> dict[str, dict[str, float]]:
-    """alpha, beta fitted to each allreduce's times from FIT_FROM to FIT_TO bytes, and the
-    worst relative error of the fit over that range."""
-    fits = {}
-    for name, by_numel in seconds.items():
-        points = [(4 * n, t) for n, t in by_numel.items() if FIT_FROM <= 4 * n <= FIT_TO]
-        if name == performance.MEMCPY or len({b for b, _ in points}) < 2:
-            continue
-        nbytes, ts = zip(*points)
-        cost = fit_alpha_beta(nbytes, ts)
-        worst = max(abs(e) for e in relative_errors(cost, nbytes, ts))
-        fits[name] = {"alpha": cost.alpha, "beta": cost.beta, "worst_relative_error": worst}
-    return fits
-
-
 def print_fits(fits: dict[str, dict[str, float]], world: int) -> None:
-    """One line per fit, with the issue's 30% goal for gloo and the ring."""
+    """One line per fit, with the goal of a worst error of at most 30% for gloo and the ring."""
     print(f"  alpha-beta fits to the fastest calls, {world} processes, {size_label(FIT_FROM)} to "
           f"{size_label(FIT_TO)} (least squares on relative errors):")
     for name, f in fits.items():
         worst = f["worst_relative_error"]
         goal = ("" if name not in ("dist.all_reduce", "p2p.ring_allreduce") else
-                f" (target <= 30%: {'meets' if worst <= 0.3 else 'below'} target)")
+                f" (goal <= 30%: {'goal met' if worst <= 0.3 else 'below the goal'})")
         print(f"    {name:20s} alpha {f['alpha'] * 1e6:8.1f} us, 1/beta {1 / f['beta'] / 1e9:6.2f}"
               f" GB/s, worst error {worst:5.0%}{goal}")
 
@@ -310,8 +253,8 @@ def bench_buckets(sizes: Sizes, gloo: AlphaBeta, anatomy: dict, figures: dict) -
           f"({gloo.bandwidth / 1e9:.2f} GB/s) {size_label(best['alone'])}, "
           f"x{off['alone']:.1f} from the measured best; at its pace inside a DDP step "
           f"({in_step.bandwidth / 1e9:.2f} GB/s, from the anatomy) "
-          f"{size_label(best['in a step'])}, x{off['in a step']:.1f} (target within 4x: "
-          f"{'meets' if off['in a step'] <= 4 else 'below'} target)")
+          f"{size_label(best['in a step'])}, x{off['in a step']:.1f} (goal within 4x: "
+          f"{'goal met' if off['in a step'] <= 4 else 'below the goal'})")
     figures.update(r, measured_best_bytes=measured, predicted_best_bytes=best["in a step"],
                    predicted_best_bytes_alone=best["alone"], near_best_caps_mb=near,
                    beta_in_step=in_step.beta)
@@ -351,7 +294,7 @@ def write_sweep_csv(path: Path, sweeps: dict[int, dict[str, dict[int, list[float
 def bench_zero(sizes: Sizes, figures: dict) -> None:
     """Chapter 09: per-rank optimizer state and step time of DDP, ZeRO-1 and ZeRO-2 (AdamW)."""
     rounds = max(3, sizes.repeats // 4)
-    r = memory.compare_zero(2, sizes.ddp_steps, ZERO_BATCH, rounds, timeout=300)
+    r = zero_memory.compare_zero(2, sizes.ddp_steps, ZERO_BATCH, rounds, timeout=300)
     figures.update(r)
     print(f"\nChapter 09, LeNet with AdamW, 2 processes x {ZERO_BATCH} images, "
           f"{sizes.ddp_steps} steps (median of {rounds} rounds): optimizer state and "
@@ -385,7 +328,7 @@ def bench_chapter_08(sizes: Sizes, sweeps: dict[int, dict], figures: dict, laps:
     for world, samples in sweeps.items():
         seconds = performance.per_size(samples, "min")
         print_sweep(seconds, world, sizes.repeats)
-        if world == 2:  # the issue's goals for the shared-memory allreduce
+        if world == 2:  # the goals for the shared-memory allreduce
             figures["shm_goals"] = shm_goals(seconds, world)
         fits[world] = fit_allreduces(seconds)
         print_fits(fits[world], world)

@@ -1,8 +1,20 @@
-"""The course's figures: each chapter calls a `show_*` function so its cells fit on a slide."""
+"""The course's figures: each chapter calls a `show_*` function so its cells fit on a slide.
+
+Every show_* draws one figure, displays it (as a compact PNG) and returns None."""
 from __future__ import annotations
+
+import io
+import math
 
 import matplotlib.pyplot as plt
 import torch
+import torch.nn.functional as F
+from IPython.display import Image, display
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+from PIL import Image as PILImage
+
+from .split import split_batch
 
 # ---- chapter 00 ----
 
@@ -11,8 +23,6 @@ import torch
 def show_strategies() -> None:
     """Network partitioning, layer-wise partitioning and data parallelism of a four-layer
     network on two devices: what each device holds and what moves between them."""
-    from matplotlib.patches import FancyBboxPatch, Rectangle
-
     colors = ["#4C72B0", "#55A868", "#C44E52", "#8172B2"]  # layers 1 to 4
     xs, w, h = [0.3, 6.4], 3.3, 0.9  # left edge of each device, bar width and height
     level_y = [1.9 + 1.3 * i for i in range(4)]  # bottom of the bar at each height
@@ -72,17 +82,13 @@ def show_strategies() -> None:
     c.text(5, 0.1, "half of the batch each;\none allreduce per step", ha="center", fontsize=8)
 
     fig.suptitle("Three ways to split a four-layer network across 2 devices", fontsize=12)
-    fig.tight_layout()
-    plt.show()
+    _show(fig)
 
 # ---- chapter 02 ----
 
 def show_class_samples(images: "torch.Tensor", labels: "torch.Tensor", classes: list[str],
                        source: str, per_class: int = 1) -> None:
     """per_class training images of each class, one column per class, drawn as one mosaic."""
-    import torch
-    import torch.nn.functional as F
-
     framed = [F.pad(images[(labels == c).nonzero().flatten()[:per_class], 0], (1, 1, 1, 1))
               for c in range(len(classes))]  # a white frame of one pixel around each image
     mosaic = torch.cat([torch.cat(list(column)) for column in framed], dim=1)
@@ -94,7 +100,7 @@ def show_class_samples(images: "torch.Tensor", labels: "torch.Tensor", classes: 
     ax.xaxis.tick_top()
     ax.set_yticks([])
     ax.set_title(f"Training images, {per_class} per class: {source}", fontsize=9)
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_baseline(step_loss: list[float], epoch_loss: list[float], test_acc: list[float],
@@ -112,14 +118,11 @@ def show_baseline(step_loss: list[float], epoch_loss: list[float], test_acc: lis
     ax2.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1), title="Test accuracy",
             xticks=list(epochs))
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_cpu_settings(curves: dict[tuple[float, float], list[float]], warmup: int) -> None:
     """Per-step training loss for each (init scale, lr), with ln 10 and the warm-up marked."""
-    import math
-
     fig, ax = plt.subplots(figsize=(7.5, 3))
     for (scale, lr), values in sorted(curves.items(), key=lambda item: (-item[0][0], item[0][1])):
         ax.plot(range(1, len(values) + 1), values, linewidth=1.2, zorder=3,
@@ -130,19 +133,15 @@ def show_cpu_settings(curves: dict[tuple[float, float], list[float]], warmup: in
     ax.set(xlabel="SGD step (batch 256)", ylabel="training loss of the batch",
            title="The CPU run's steps with each setting (same data, same order)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 # ---- chapter 03 ----
 
-def _display_compact(fig, colors: int = 64) -> None:
-    """Show fig as a PNG with a palette of `colors` colours: it looks the same as plt.show()'s
-    and takes a fraction of the bytes, which keeps the stored notebook small."""
-    import io
-
-    from IPython.display import Image, display
-    from PIL import Image as PILImage
-
+def _show(fig: Figure, colors: int = 64) -> None:
+    """How every show_* ends: lay fig out, display it as a PNG with a palette of `colors`
+    colours (it looks the same as plt.show()'s and takes a fraction of the bytes, which keeps
+    the stored notebooks small), and close it."""
+    fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", bbox_inches="tight")
     plt.close(fig)
@@ -153,10 +152,6 @@ def _display_compact(fig, colors: int = 64) -> None:
 
 def show_ring_topology(k: int = 4) -> None:
     """k devices on a ring, each holding its tensor cut into k chunks; arrows i -> i+1."""
-    import math
-
-    from matplotlib.patches import FancyArrowPatch, Rectangle
-
     fig, ax = plt.subplots(figsize=(6, 3.8))
     angle = [math.pi / 2 - 2 * math.pi * i / k for i in range(k)]  # clockwise from the top
     pos = [(1.6 * math.cos(a), 1.2 * math.sin(a)) for a in angle]
@@ -183,15 +178,12 @@ def show_ring_topology(k: int = 4) -> None:
     ax.set(xlim=(-3, 3), ylim=(-1.7, 1.7), aspect="equal",
            title=f"A ring of {k} devices, every tensor cut into {k} chunks")
     ax.axis("off")
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_ring_steps(snapshots: list, schedule: list, k: int) -> None:
     """One k x k grid per step of a ring allreduce: rows devices, columns chunks, text and
     colour the devices whose values a chunk holds; received chunks outlined in red."""
-    from matplotlib.patches import Rectangle
-
     fig, axes = plt.subplots(2, k, figsize=(9, 4.4))
     titles = ["start"] + [f"step {n}: {phase}" for n, (phase, _) in enumerate(schedule, 1)]
     received = [[]] + [transfers for _, transfers in schedule]
@@ -221,8 +213,7 @@ def show_ring_steps(snapshots: list, schedule: list, k: int) -> None:
                        "in all-gather)", va="center", fontsize=8)
     fig.suptitle(f"Ring allreduce on {k} devices: reduce-scatter (steps 1-{k - 1}), "
                  f"then all-gather (steps {k}-{2 * k - 2})", fontsize=10)
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_traffic(traffic: dict[int, tuple[int, int]], n: int) -> None:
@@ -239,18 +230,13 @@ def show_traffic(traffic: dict[int, tuple[int, int]], n: int) -> None:
     ax.set(xlabel="devices k", ylabel="elements sent / N",
            title="Elements the busiest device sends per allreduce of N elements")
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 # ---- chapter 04 ----
 
 def show_shards(batch_sizes: list[int], devs: list) -> None:
     """For each batch size, which range of examples split_batch gives each device."""
-    import torch
-
-    from .split import split_batch
-
     fig, axes = plt.subplots(1, len(batch_sizes), figsize=(10, 3.4), sharey=True)
     for ax, n in zip(axes, batch_sizes):
         shards, _ = split_batch(torch.zeros(n, 1), torch.zeros(n), devs)
@@ -268,8 +254,7 @@ def show_shards(batch_sizes: list[int], devs: list) -> None:
     axes[0].set_ylabel("device")
     axes[0].invert_yaxis()  # device 0 on top (the axes share y, so once is enough)
     fig.suptitle("torch.chunk shards: ceil(n / k) examples per device until the batch runs out")
-    fig.tight_layout()
-    plt.show()
+    _show(fig)
 
 
 # ---- chapter 05 ----
@@ -277,8 +262,6 @@ def show_shards(batch_sizes: list[int], devs: list) -> None:
 def show_data_parallel_step(k: int = 3) -> None:
     """One step of train_batch on k devices: split, forward/backward per replica, allreduce of
     the gradients, the same sgd update on every replica."""
-    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
-
     fig, ax = plt.subplots(figsize=(10, 1.3 + 0.8 * k))
     y = {d: k - 1 - d for d in range(k)}  # device 0 on top
     mid = (k - 1) / 2
@@ -310,8 +293,7 @@ def show_data_parallel_step(k: int = 3) -> None:
     ax.set_title("One data-parallel step (train_batch): every replica applies the same summed "
                  "gradient, so the replicas stay identical", fontsize=10)
     ax.axis("off")
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_divergence(curves: dict[str, dict[str, list[float]]]) -> None:
@@ -338,8 +320,7 @@ def show_divergence(curves: dict[str, dict[str, list[float]]]) -> None:
                  f"{min(v for n, c in curves['float32'].items() if n.startswith('seed') for v in c):.1f}",
                  fontsize=10)
     ax.legend(fontsize=8, ncol=2, loc="center right")
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_training_runs(results: dict) -> None:
@@ -361,8 +342,7 @@ def show_training_runs(results: dict) -> None:
     s = first.settings
     fig.suptitle(f"LeNet, batch {s.batch_size}, lr {s.lr}, {len(first.test_acc)} epochs, "
                  f"{first.data}", fontsize=10)
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 # ---- chapter 06 ----
@@ -370,8 +350,6 @@ def show_training_runs(results: dict) -> None:
 def show_data_parallel_flow(k: int = 3) -> None:
     """One step of nn.DataParallel on k devices: scatter and replicate from device 0, the
     replicas' forward, gather and loss on device 0, gradients summed back onto device 0."""
-    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
-
     stages = ["on device 0", "scatter +\nreplicate", "parallel_apply", "gather", "loss",
               "backward", "reduce +\noptimizer.step()"]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.85 * k))
@@ -409,8 +387,7 @@ def show_data_parallel_flow(k: int = 3) -> None:
     ax.set_title("One step of nn.DataParallel: device 0 scatters, gathers, computes the loss "
                  "and receives every gradient (red: backward)", fontsize=10)
     ax.axis("off")
-    fig.tight_layout()
-    plt.show()
+    _show(fig)
 
 
 def _devices_label(devs: list[str]) -> str:
@@ -436,8 +413,7 @@ def show_epoch_times(results: dict) -> None:
     ax.set(xlabel="training run (bar labels: the devices used)", ylabel="seconds per epoch")
     ax.set_title(f"ResNet-18, measured on this machine ({where})", fontsize=10)
     ax.margins(y=0.2)
-    fig.tight_layout()
-    plt.show()
+    _show(fig)
 
 
 def show_device0_traffic(traffic: dict[str, dict[int, dict[str, float]]]) -> None:
@@ -454,8 +430,7 @@ def show_device0_traffic(traffic: dict[str, dict[int, dict[str, float]]]) -> Non
     axes[0].legend(fontsize=8)
     fig.suptitle("Counted, not measured: float32, per-device batch 256; "
                  "the same bytes on any hardware", fontsize=10)
-    fig.tight_layout()
-    plt.show()
+    _show(fig)
 
 
 # ---- chapter 07 ----
@@ -479,8 +454,7 @@ def show_overlap_timeline(timelines: list[dict]) -> None:
     ax.set_title("ScratchDDP: each bucket's allreduce starts as soon as its gradients are "
                  "ready, while backward goes on", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    plt.show()
+    _show(fig)
 
 
 # ---- chapter 08 ----
@@ -523,8 +497,7 @@ def show_allreduce_fit(seconds: dict[str, dict[int, float]], fits: dict, world_s
     ax.set_title(f"Allreduce on {world_size} processes: fastest calls (dots), fits (lines)",
                  fontsize=9)
     ax.legend(fontsize=6, loc="upper left")
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_timing_spread(samples: dict[str, dict[int, list[float]]], names: list[str],
@@ -548,8 +521,7 @@ def show_timing_spread(samples: dict[str, dict[int, list[float]]], names: list[s
     ax.minorticks_off()
     ax.set_title("Every call timed: the same allreduce at the same size", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_step_anatomy(anatomy: dict) -> None:
@@ -574,8 +546,7 @@ def show_step_anatomy(anatomy: dict) -> None:
     ax.set_title(f"One step on 2 processes, {anatomy['buckets']} bucket(s): communication "
                  "under backward is hidden, after it exposed", fontsize=8)
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_bucket_sweep(step_seconds: dict[float, float],
@@ -596,8 +567,7 @@ def show_bucket_sweep(step_seconds: dict[float, float],
                  "the best)\nmodels: backward + exposed communication, no forward or optimizer",
                  fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the curves
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_scaling(scaling: dict[str, dict[str, dict[int, float]]]) -> None:
@@ -611,8 +581,7 @@ def show_scaling(scaling: dict[str, dict[str, dict[int, float]]]) -> None:
     ax.set(xlabel="processes", ylabel="efficiency", xticks=worlds, ylim=(0, 1.2))
     ax.set_title("LeNet, torch's DDP, one thread per process", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 def show_lr_scaling(curves: dict[str, dict[str, list[float]]]) -> None:
@@ -624,15 +593,14 @@ def show_lr_scaling(curves: dict[str, dict[str, list[float]]]) -> None:
     ax.minorticks_off()
     ax.set_title("The same samples in batches of different sizes (LeNet)", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)
 
 
 # ---- chapter 09 ----
 
 def show_zero_memory(stages: dict[int, dict[str, dict]]) -> None:
     """Each rank's measured bytes (stacked: parameters, gradients, optimizer state) for each
-    stage, one panel per world size (world -> memory.measure_stages(world)); a black line
+    stage, one panel per world size (world -> zero_memory.measure_stages(world)); a black line
     over each stage marks the formula's total per rank."""
     parts = ("parameters", "gradients", "optimizer_state")
     colors = ("#4C72B0", "#55A868", "#C44E52")
@@ -652,5 +620,4 @@ def show_zero_memory(stages: dict[int, dict[str, dict]]) -> None:
         ax.set_title(f"{world} process{'es' if world > 1 else ''}: one bar per rank", fontsize=10)
     axes[0].set_ylabel("MB on the rank (LeNet, float32)")
     axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    _display_compact(fig)
+    _show(fig)

@@ -113,8 +113,8 @@ def build_model(name: str, seed: int, device: torch.device) -> nn.Module:
     return make_resnet18(device, seed)
 
 
-def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, epoch: int,
-                    step: int) -> None:
+def save_training_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, epoch: int,
+                        step: int) -> None:
     """Rank 0 writes path atomically (temp file, then rename); every rank waits for it."""
     if dist.get_rank() == 0:
         state = {"model": unwrap(model).state_dict(), "optimizer": opt.state_dict(),
@@ -126,8 +126,8 @@ def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, ep
     dist.barrier()  # nobody reads or overwrites it before it is complete
 
 
-def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer,
-                    device: torch.device) -> tuple[int, int]:
+def load_training_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer,
+                        device: torch.device) -> tuple[int, int]:
     """Every rank loads path onto its own device; returns (epoch, step) to resume from."""
     state = torch.load(path, map_location=device, weights_only=True)
     unwrap(model).load_state_dict(state["model"])
@@ -160,7 +160,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     epoch = step = 0
     if args.checkpoint is not None and args.checkpoint.exists():
-        epoch, step = load_checkpoint(args.checkpoint, model, opt, device)
+        epoch, step = load_training_state(args.checkpoint, model, opt, device)
     model = ScratchDDP(model) if args.ddp == "scratch" else DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
     limit = args.steps if args.steps is not None else float("inf")
@@ -185,7 +185,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             bar.update(1)
         if args.checkpoint is not None:
-            save_checkpoint(args.checkpoint, model, opt, step // len(loader), step)
+            save_training_state(args.checkpoint, model, opt, step // len(loader), step)
     bar.close()
     seconds = time.perf_counter() - start
     summary = torch.tensor([float(images), loss.item()], device=device)

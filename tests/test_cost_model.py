@@ -7,7 +7,7 @@ import pytest
 
 from dpcourse import cost_model
 from dpcourse.cost_model import AlphaBeta
-from dpcourse.throughput import bus_bandwidth
+from dpcourse.experiments.throughput import bus_bandwidth
 
 ALPHA, BETA = 50e-6, 1e-9  # 50 us per message, 1 GB/s
 SIZES = [2**k for k in range(12, 27)]  # 4 KiB .. 64 MiB

@@ -2,7 +2,8 @@
 references agree with cost_model's formulas and with its bucket simulation."""
 import pytest
 
-from dpcourse import cost_model, performance
+from dpcourse import cost_model
+from dpcourse.experiments import performance
 from dpcourse.cost_model import AlphaBeta
 from dpcourse.exercises.ch08 import (BUCKET_BACKWARD_S, BUCKET_COST, BUCKET_MODEL_BYTES,
                                      CROSSOVER_LINK, CROSSOVER_RANKS, PREDICT_BYTES,
@@ -115,7 +116,7 @@ def test_best_bucket_accepts_the_formula(capsys):
 
 
 def test_exercise_3s_model_is_the_chapters_resnet18():
-    from dpcourse import performance
+    from dpcourse.experiments import performance
     assert performance.gradient_bytes(performance.resnet18_model()) == BUCKET_MODEL_BYTES
 
 

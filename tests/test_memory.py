@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from dpcourse import _zero_workers
+import zero_workers
 from dpcourse.lenet import LENET_SHAPES
-from dpcourse.memory import (STAGES, bytes_per_rank, compare_zero, measure_stages,
-                             measured_bytes, staged)
+from dpcourse.experiments.zero_memory import compare_zero, measure_stages, staged
+from dpcourse.memory import STAGES, bytes_per_rank, measured_bytes
 
 LENET_NUMEL = sum(math.prod(s) for s in LENET_SHAPES)
 WORLD = 3
@@ -67,7 +67,7 @@ def test_measured_bytes_finds_the_state_of_torchs_zero_redundancy_optimizer():
     from torch.distributed.optim import ZeroRedundancyOptimizer
     torch.manual_seed(0)
     model = nn.Linear(5, 5)
-    with _zero_workers.one_rank_group():
+    with zero_workers.one_rank_group():
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
         model(torch.randn(3, 5)).sum().backward()
         opt.step()

@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from dpcourse import bench, memory, performance, throughput
+from dpcourse import bench
+from dpcourse.experiments import performance, throughput, zero_memory
 
 ALLREDUCE_NAMES = ["dist.all_reduce", "p2p.allreduce", "p2p.ring_allreduce", "shm", "memcpy"]
 NUMELS = [10, 16384, 65536]  # the last two: 64 KiB and 256 KiB, the fitted range's start
@@ -158,7 +159,7 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
          "2 processes x 1 thread", "2 processes x 1 thread, shm"], 1.0))
     zero = {stage: {"seconds_per_step": 0.01, "optimizer_state_bytes": [8, 4],
                     "gradient_bytes": [4, 2]} for stage in ("ddp", "zero1", "zero2")}
-    monkeypatch.setattr(memory, "compare_zero", lambda *a, **k: zero)
+    monkeypatch.setattr(zero_memory, "compare_zero", lambda *a, **k: zero)
     path, table = tmp_path / "bench.json", tmp_path / "sweep.csv"
     bench.main(["--quick", "--repeats", "1", "--batch-size", "8", "--json", str(path),
                 "--csv", str(table)])

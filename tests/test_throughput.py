@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dpcourse import throughput
+from dpcourse.experiments import throughput
 
 NUMELS = [10, 3000]
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 import dpcourse.training
 from dpcourse import (allreduce, devices, get_params, init_lenet_params, lenet, ring_allreduce,
                       train, train_batch)
-from dpcourse.bench import forward_backward_seconds
+from dpcourse.experiments.simulated import forward_backward_seconds
 from dpcourse.training import divergence, largest_difference, sgd_displacement, train_steps
 
 LR = 0.2

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..cost_model import AlphaBeta, allreduce_cost, predict_ddp_overhead
-from ..performance import MIB
+from ..experiments.performance import MIB
 from . import answered, is_number
 
 PREDICT_BYTES = 3 * MIB  # exercise 1: a size the chapter's sweep (powers of 4) never measures

@@ -7,7 +7,7 @@ from ..data import synthetic_fashion
 from ..lenet import lenet_model
 from ..memory import STAGES, bytes_per_rank
 from ..zero import partition
-from ..zero_demos import activation_bytes
+from ..experiments.zero_demos import activation_bytes
 from . import answered, is_int, is_number
 
 GPUS, GPU_BYTES = 8, 80 * 10**9

@@ -15,11 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import p2p
-from .checkpoint import load_checkpoint, save_checkpoint
-from .data_parallel import max_relative_difference
-from .ddp import ScratchDDP, average_gradients, broadcast_parameters
-from .lenet import lenet_model
+from .. import p2p
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..data_parallel import max_relative_difference
+from ..ddp import ScratchDDP, average_gradients, broadcast_parameters
+from ..lenet import lenet_model
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -3,15 +3,12 @@
 Each ``compare_*`` driver runs in the parent (a notebook cell, the benchmark) and starts the
 ranks with ``launch``; the ``*_on_rank`` functions are what every rank runs (top-level, so
 that a spawned process can import them). Inside one launch the variants being compared are
-timed in alternation, round after round, so that a drift in the machine's load hits them
-all alike; each figure is a median over the rounds.
+timed with ``timing.alternate``; each figure is a median over the rounds.
 
 The CPU comparisons use gloo on every host; ``gpu_scaling`` compares 1 GPU with k (nccl).
 """
 from __future__ import annotations
 
-import statistics
-import time
 from contextlib import ExitStack
 from functools import partial
 from typing import Callable
@@ -20,12 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import p2p
-from .comm_hooks import HelperThread, ring_hook
-from .ddp import ScratchDDP
-from .launch import launch, rank_device
-from .lenet import lenet_model
-from .shm import ShmHookState, shm_hook
+from .. import p2p
+from ..comm_hooks import HelperThread, ring_hook
+from ..ddp import ScratchDDP
+from ..launch import launch, rank_device
+from ..lenet import lenet_model
+from ..shm import ShmHookState, shm_hook
+from .timing import alternate, median_seconds, repeat
 
 ALLREDUCES: dict[str, Callable[[torch.Tensor], object]] = {
     "dist.all_reduce": dist.all_reduce,
@@ -44,53 +42,29 @@ def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * nbytes / seconds
 
 
-def slowest_rank(seconds: list[float]) -> list[float]:
-    """Each of this rank's timings replaced by the largest any rank measured (a collective).
-
-    A collective is done when its last rank is done; every rank left the barrier before it
-    at about the same moment, so the slowest rank's time is the collective's time.
-    """
-    t = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 # --- allreduce: dist.all_reduce, p2p.allreduce, p2p.ring_allreduce ---------------------------
 
 def round_robin_samples(cases: dict[str, Callable[[torch.Tensor], object]], numels: list[int],
                         repeats: int) -> dict[str, dict[int, list[float]]]:
     """Seconds of each of repeats calls of each case on a float32 tensor of each numel (on
     this rank's device, filled with 1 before each call, untimed: the sum stays small), the
-    cases alternated, a barrier before each call, after one warm-up call each (connections,
-    buffers, caches); each call's time is the slowest rank's."""
+    cases alternated after one warm-up call each (timing.alternate: each call's time is the
+    slowest rank's)."""
     device = rank_device()
-    seconds = []
+    samples: dict[str, dict[int, list[float]]] = {name: {} for name in cases}
     for n in numels:
         x = torch.empty(n, device=device)
-        for fn in cases.values():
-            fn(x.fill_(1.0))
-        for _ in range(repeats):
-            for fn in cases.values():
-                x.fill_(1.0)
-                dist.barrier()
-                start = time.perf_counter()
-                fn(x)
-                if x.is_cuda:
-                    torch.cuda.synchronize()
-                seconds.append(time.perf_counter() - start)
-    calls = iter(slowest_rank(seconds))
-    samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in numels} for name in cases}
-    for n in numels:
-        for _ in range(repeats):
-            for name in cases:
-                samples[name][n].append(next(calls))
+        timed = alternate({name: partial(fn, x) for name, fn in cases.items()}, repeats,
+                          before=partial(x.fill_, 1.0), devices=[device])
+        for name, seconds in timed.items():
+            samples[name][n] = seconds
     return samples
 
 
 def round_robin_seconds(cases: dict[str, Callable[[torch.Tensor], object]], numels: list[int],
                         repeats: int) -> dict[str, dict[int, float]]:
     """The median of round_robin_samples for each case and numel."""
-    return {name: {n: statistics.median(ts) for n, ts in by_numel.items()}
+    return {name: median_seconds(by_numel)
             for name, by_numel in round_robin_samples(cases, numels, repeats).items()}
 
 
@@ -147,15 +121,6 @@ def ddp_model(variant: str, hooks: ExitStack) -> nn.Module:
     return ddp
 
 
-def timed_steps(step: Callable[[], None], steps: int) -> float:
-    """Seconds of steps calls of step, from a barrier."""
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return time.perf_counter() - start
-
-
 def ddp_images_per_second_on_rank(steps: int, batch_size: int, repeats: int,
                                   variants: tuple[str, ...] = DDP_VARIANTS) -> dict[str, float]:
     """Global images/s of LeNet training with each variant, the variants alternated in
@@ -167,10 +132,9 @@ def ddp_images_per_second_on_rank(steps: int, batch_size: int, repeats: int,
         for step in train.values():
             for _ in range(WARMUP_STEPS):
                 step()
-        order = [v for _ in range(repeats) for v in variants]
-        seconds = slowest_rank([timed_steps(train[v], steps) for v in order])
-    images = world * batch_size * steps
-    return {v: images / t for v, t in medians(order, seconds).items()}
+        seconds = median_seconds(alternate({v: repeat(train[v], steps) for v in variants},
+                                           repeats, warmup=0))
+    return {v: world * batch_size * steps / t for v, t in seconds.items()}
 
 
 def compare_ddp(steps: int = 20, batch_size: int = 128, world_size: int = 2, repeats: int = 3,
@@ -197,11 +161,7 @@ def gpu_images_per_second_on_rank(steps: int, batch_size: int) -> float:
                          batch_size, seed=dist.get_rank(), device=device)
     for _ in range(WARMUP_STEPS):
         step()
-
-    def step_and_wait() -> None:
-        step()
-        torch.cuda.synchronize(device)
-    [seconds] = slowest_rank([timed_steps(step_and_wait, steps)])
+    [seconds] = alternate({"DDP": repeat(step, steps)}, 1, warmup=0, devices=[device])["DDP"]
     return dist.get_world_size() * batch_size * steps / seconds
 
 
@@ -233,21 +193,22 @@ def processes_and_threads_on_rank(steps: int, global_batch: int,
                                           ("2 processes x 1 thread", "torch DDP"),
                                           ("2 processes x 1 thread, shm", "ScratchDDP, shm"))}
 
-        def one_process(threads: int, n: int) -> float:  # rank 1 waits in the barrier that follows
+        def one_process(threads: int, n: int) -> None:  # rank 1 waits in the next barrier
             torch.set_num_threads(threads)
-            seconds = timed_steps(alone, n if rank == 0 else 0)
+            repeat(alone, n if rank == 0 else 0)()
             torch.set_num_threads(1)
-            dist.barrier()
-            return seconds
+
+        def together_steps(step: Callable[[], None], n: int) -> None:
+            repeat(step, n)()
 
         cases = {"1 process x 1 thread": partial(one_process, 1),
                  "1 process x 2 threads": partial(one_process, 2),
-                 **{name: partial(timed_steps, step) for name, step in together.items()}}
+                 **{name: partial(together_steps, step) for name, step in together.items()}}
         for case in cases.values():
             case(WARMUP_STEPS)
-        order = [name for _ in range(repeats) for name in cases]
-        seconds = slowest_rank([cases[name](steps) for name in order])
-        return {name: global_batch * steps / t for name, t in medians(order, seconds).items()}
+        seconds = median_seconds(alternate({name: partial(case, steps)
+                                            for name, case in cases.items()}, repeats, warmup=0))
+        return {name: global_batch * steps / t for name, t in seconds.items()}
 
 
 def compare_processes_and_threads(steps: int = 20, global_batch: int = 256, repeats: int = 3,
@@ -266,11 +227,3 @@ def compare_processes_and_threads(steps: int = 20, global_batch: int = 256, repe
         raise ValueError(f"global_batch must be even and >= 2, got {global_batch}")
     return launch(processes_and_threads_on_rank, steps, global_batch, repeats, world_size=2,
                   threads=1, backend="gloo", timeout=timeout)[0]
-
-
-def medians(keys: list, values: list[float]) -> dict:
-    """The median of the values given for each key (keys[i] labels values[i])."""
-    groups: dict = {}
-    for key, value in zip(keys, values):
-        groups.setdefault(key, []).append(value)
-    return {key: statistics.median(vs) for key, vs in groups.items()}

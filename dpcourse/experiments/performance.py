@@ -12,24 +12,28 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import ExitStack, nullcontext
+from functools import partial
 from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ddp import ScratchDDP
-from .launch import launch, rank_device
-from .lenet import lenet_model
-from .resnet import resnet18
-from .shm import SharedMemoryAllreduce
-from .shm_steps import SHM_STEPS
-from .throughput import (ALLREDUCES, LR, WARMUP_STEPS, bus_bandwidth, medians, random_batch,
-                         round_robin_samples, slowest_rank, timed_steps, train_step_fn)
+from ..cost_model import fit_alpha_beta, relative_errors
+from ..ddp import ScratchDDP
+from ..launch import launch, rank_device
+from ..lenet import lenet_model
+from ..resnet import resnet18
+from ..shm import SharedMemoryAllreduce
+from ..shm_steps import SHM_STEPS
+from .throughput import (ALLREDUCES, LR, WARMUP_STEPS, bus_bandwidth, random_batch,
+                         round_robin_samples, train_step_fn)
+from .timing import alternate, median_seconds, repeat, slowest_rank
 
 MIB = 2**20
 SWEEP_NUMELS = [4**k * 1024 for k in range(8)]  # float32: 4 KiB, 16 KiB, ..., 64 MiB
 MEMCPY = "memcpy"
+FIT_FROM, FIT_TO = 64 * 2**10, 64 * 2**20  # bytes: the range the fits' 30% goal covers
 
 
 # Allreduces built collectively on every rank: name -> a factory of a context manager with an
@@ -160,12 +164,10 @@ def anatomy_on_rank(model: str, steps: int, batch_size: int,
     ddp = ScratchDDP(MODELS[model][0](), bucket_cap_mb)
     X, y = model_batch(model, batch_size, seed=dist.get_rank())
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    phases = ["forward_no_sync", "backward_no_sync", "forward", "backward_sync", "optimizer",
-              "comm"]  # what iteration(False) + iteration(True) return
-    seconds: list[float] = []
+    samples: dict[str, list[float]] = {}
     timeline: list[tuple[int, float, float]] = []
 
-    def iteration(sync: bool) -> list[float]:
+    def iteration(sync: bool) -> dict[str, float]:
         nonlocal timeline
         opt.zero_grad()
         with nullcontext() if sync else ddp.no_sync():
@@ -178,18 +180,22 @@ def anatomy_on_rank(model: str, steps: int, batch_size: int,
             loss.backward()
             t3 = time.perf_counter()
         if not sync:
-            return [t1 - t0, t3 - t2]
+            return {"forward_no_sync": t1 - t0, "backward_no_sync": t3 - t2}
         opt.step()
         t4 = time.perf_counter()
         timeline = [(i, a - t2, b - t2) for i, a, b in ddp.timeline()]
-        return [t1 - t0, t3 - t2, t4 - t3, busy_seconds([(a, b) for _, a, b in timeline])]
+        return {"forward": t1 - t0, "backward_sync": t3 - t2, "optimizer": t4 - t3,
+                "comm": busy_seconds([(a, b) for _, a, b in timeline])}
 
     for _ in range(WARMUP_STEPS):
         iteration(False)
         iteration(True)
     for _ in range(steps):
-        seconds += iteration(False) + iteration(True)
-    median = medians(phases * steps, slowest_rank(seconds))
+        for phase, seconds in {**iteration(False), **iteration(True)}.items():
+            samples.setdefault(phase, []).append(seconds)
+    slowest = iter(slowest_rank([t for ts in samples.values() for t in ts]))  # one collective
+    median = {phase: statistics.median([next(slowest) for _ in ts])
+              for phase, ts in samples.items()}
     return {"phases": median, "timeline": timeline, "buckets": len(ddp.buckets),
             "gradient_bytes": gradient_bytes(ddp.module)}
 
@@ -245,19 +251,21 @@ def bucket_sweep_on_rank(caps_mb: list[float], steps: int, batch_size: int,
         nn.functional.cross_entropy(ddp(X), y).backward()
         opt.step()
 
-    def backward_alone() -> float:
+    pending: dict[str, torch.Tensor] = {}
+
+    def forward_no_sync() -> None:
         opt.zero_grad()
         with wrappers[caps_mb[0]].no_sync():
-            loss = nn.functional.cross_entropy(wrappers[caps_mb[0]](X), y)
-        return timed_steps(loss.backward, 1)
+            pending["loss"] = nn.functional.cross_entropy(wrappers[caps_mb[0]](X), y)
 
     for ddp in wrappers.values():  # one warm-up step each: the module is warm after the first
         step(ddp)
-    order = [cap for _ in range(repeats) for cap in caps_mb]
-    seconds = slowest_rank([timed_steps(lambda: step(wrappers[c]), steps) / steps
-                            for c in order] + [backward_alone() for _ in range(repeats)])
-    return {"step_seconds": medians(order, seconds[:len(order)]),
-            "backward_seconds": medians([0] * repeats, seconds[len(order):])[0],
+    per_step = median_seconds(alternate({cap: repeat(partial(step, wrappers[cap]), steps)
+                                         for cap in caps_mb}, repeats, warmup=0))
+    backward = median_seconds(alternate({"backward": lambda: pending.pop("loss").backward()},
+                                        repeats, warmup=0, before=forward_no_sync))
+    return {"step_seconds": {cap: t / steps for cap, t in per_step.items()},
+            "backward_seconds": backward["backward"],
             "buckets": {cap: len(w.buckets) for cap, w in wrappers.items()},
             "bucket_bytes": {cap: [sum(p.numel() * p.element_size() for p in b.params)
                                    for b in w.buckets] for cap, w in wrappers.items()},
@@ -293,11 +301,10 @@ def scaling_on_rank(per_rank_batches: dict[str, int], steps: int,
     for step in train.values():
         for _ in range(WARMUP_STEPS):
             step()
-    order = [mode for _ in range(repeats) for mode in train]
-    seconds = slowest_rank([timed_steps(train[mode], steps) for mode in order])
+    seconds = median_seconds(alternate({mode: repeat(step, steps) for mode, step in train.items()},
+                                       repeats, warmup=0))
     world = dist.get_world_size()
-    return {mode: world * per_rank_batches[mode] * steps / t
-            for mode, t in medians(order, seconds).items()}
+    return {mode: world * per_rank_batches[mode] * steps / t for mode, t in seconds.items()}
 
 
 def scaling(worlds: tuple[int, ...] = (1, 2, 4), modes: tuple[str, ...] = ("strong", "weak"),
@@ -329,3 +336,28 @@ def scaling(worlds: tuple[int, ...] = (1, 2, 4), modes: tuple[str, ...] = ("stro
                    "efficiency": {w: rates[w][mode] / rates[base][mode] * base / w
                                   for w in worlds}}
             for mode in modes}
+
+
+# --- reading the sweep ------------------------------------------------------------------------
+
+def size_label(nbytes: float) -> str:
+    """4096 -> '4 KiB', 1.5 * 2**20 -> '1.5 MiB' (3 significant digits, or whole units)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10), ("B", 1)):
+        if nbytes >= scale or unit == "B":
+            value = nbytes / scale
+            return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
+
+
+def fit_allreduces(seconds: dict[str, dict[int, float]]) -> dict[str, dict[str, float]]:
+    """alpha, beta fitted to each allreduce's times from FIT_FROM to FIT_TO bytes, and the
+    worst relative error of the fit over that range."""
+    fits = {}
+    for name, by_numel in seconds.items():
+        points = [(4 * n, t) for n, t in by_numel.items() if FIT_FROM <= 4 * n <= FIT_TO]
+        if name == MEMCPY or len({b for b, _ in points}) < 2:
+            continue
+        nbytes, ts = zip(*points)
+        cost = fit_alpha_beta(nbytes, ts)
+        worst = max(abs(e) for e in relative_errors(cost, nbytes, ts))
+        fits[name] = {"alpha": cost.alpha, "beta": cost.beta, "worst_relative_error": worst}
+    return fits

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from .data_parallel import max_relative_difference
-from .ddp import ScratchDDP
-from .lenet import lenet_model
-from .memory import measured_bytes, train_step
-from .zero import GradientSharding, ShardedOptimizer, reduce_scatter_hook
+from ..data_parallel import max_relative_difference
+from ..ddp import ScratchDDP
+from ..lenet import lenet_model
+from ..memory import measured_bytes
+from ..zero import GradientSharding, ShardedOptimizer, reduce_scatter_hook
+from .zero_memory import train_step
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
