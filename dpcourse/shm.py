@@ -26,7 +26,6 @@ import platform
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,13 +40,14 @@ ALIGN = 64  # regions start on cache lines
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES, 1)}
 
 
-class SharedMemoryAllreduce:
-    """An allreduce (sum) through buffers shared by every rank of the default process group.
+class SharedBuffers:
+    """What every step of chapter 08's allreduce shares: one buffer per rank of the default
+    process group, shared by all, cut into one region per rank, and a header whose counter
+    the ranks wait on (``_arrive``). ``allreduce`` streams a tensor through the buffers in
+    rounds; a subclass says what one round does (``_round``).
 
-    Create it on every rank with the same max_bytes, the size of each rank's buffer: larger
-    tensors stream through it; a few MiB that fit the CPU's caches beat a buffer as large as
-    the tensor (chapter 08 measures both). timeout: seconds a rank waits for the others
-    before raising TimeoutError (and closing).
+    Create it on every rank with the same max_bytes, the size of each rank's buffer. timeout:
+    seconds a rank waits for the others before raising TimeoutError (and closing).
     """
 
     def __init__(self, max_bytes: int = 2 << 20, *, timeout: float = 60.0) -> None:
@@ -73,7 +73,7 @@ class SharedMemoryAllreduce:
         self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._count = 0  # what this rank's counter says now
 
-    def __enter__(self) -> "SharedMemoryAllreduce":
+    def __enter__(self) -> "SharedBuffers":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -98,7 +98,7 @@ class SharedMemoryAllreduce:
         if tensor.device.type != "cpu":
             raise ValueError(f"SharedMemoryAllreduce needs CPU tensors, got {tensor.device}")
         if not self._maps:
-            raise RuntimeError("this SharedMemoryAllreduce is closed")
+            raise RuntimeError(f"this {type(self).__name__} is closed")
         if self.world == 1:
             return tensor
         header = self._headers[self.rank]
@@ -110,26 +110,8 @@ class SharedMemoryAllreduce:
         return tensor
 
     def _round(self, piece: torch.Tensor, first: bool) -> None:
-        """Allreduce one piece that fits in the buffers: copy in, reduce, gather."""
-        regions = self._regions(piece.dtype)
-        slices = piece.tensor_split(self.world)
-        mine = regions[self.rank]
-        for q, s in enumerate(slices):
-            if q != self.rank:
-                mine[q][:s.numel()].copy_(s)
-        self._arrive()
-        if first:
-            self._check_same_call()
-        n = slices[self.rank].numel()
-        parts = [s if q == self.rank else regions[q][self.rank][:n]  # own part: no copy
-                 for q, s in enumerate(slices)]
-        out = mine[self.rank][:n]  # the sum goes straight where the others gather it
-        torch.add(parts[0], parts[1], out=out)
-        for part in parts[2:]:
-            out += part
-        self._arrive()
-        for q, s in enumerate(slices):
-            s.copy_(regions[q][q][:s.numel()])
+        """Allreduce one piece that fits in the buffers (first: the call's first round)."""
+        raise NotImplementedError
 
     def _check_same_call(self) -> None:
         """Raise on every rank if the headers say the ranks passed different tensors."""
@@ -138,7 +120,7 @@ class SharedMemoryAllreduce:
             self._arrive()  # nobody writes a header before every rank has read them all
             names = {code: str(dt).removeprefix("torch.") for dt, code in DTYPE_CODES.items()}
             calls = ", ".join(f"rank {r}: {n} x {names[c]}" for r, (n, c) in enumerate(seen))
-            raise ValueError(f"SharedMemoryAllreduce: the ranks passed different tensors "
+            raise ValueError(f"{type(self).__name__}: the ranks passed different tensors "
                              f"({calls}); every rank must pass the same numel and dtype")
 
     def _regions(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
@@ -166,9 +148,41 @@ class SharedMemoryAllreduce:
         late = [q for q, h in enumerate(self._headers) if h[0] < self._count]
         self.close()
         raise TimeoutError(
-            f"SharedMemoryAllreduce on rank {self.rank}: rank{'s' if len(late) > 1 else ''} "
+            f"{type(self).__name__} on rank {self.rank}: rank{'s' if len(late) > 1 else ''} "
             f"{', '.join(map(str, late))} did not arrive within {self.timeout:g} s (crashed, "
             "or skipped an allreduce the others called); this object is now closed")
+
+
+class SharedMemoryAllreduce(SharedBuffers):
+    """An allreduce (sum) through buffers shared by every rank of the default process group.
+
+    Create it on every rank with the same max_bytes: larger tensors stream through the
+    buffers; a few MiB that fit the CPU's caches beat a buffer as large as the tensor
+    (chapter 08 measures both). Each round, every rank sums its own slice straight into its
+    own region, where the others gather it: two waits per round.
+    """
+
+    def _round(self, piece: torch.Tensor, first: bool) -> None:
+        """Allreduce one piece that fits in the buffers: copy in, reduce, gather."""
+        regions = self._regions(piece.dtype)
+        slices = piece.tensor_split(self.world)
+        mine = regions[self.rank]
+        for q, s in enumerate(slices):
+            if q != self.rank:
+                mine[q][:s.numel()].copy_(s)
+        self._arrive()
+        if first:
+            self._check_same_call()
+        n = slices[self.rank].numel()
+        parts = [s if q == self.rank else regions[q][self.rank][:n]  # own part: no copy
+                 for q, s in enumerate(slices)]
+        out = mine[self.rank][:n]  # the sum goes straight where the others gather it
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out += part
+        self._arrive()
+        for q, s in enumerate(slices):
+            s.copy_(regions[q][q][:s.numel()])
 
 
 class ShmHookState(HelperThread):

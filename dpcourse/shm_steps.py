@@ -1,5 +1,8 @@
 """Chapter 08: the shared-memory allreduce built step by step, each step one change.
 
+All are ``shm.SharedBuffers`` (the shared buffers, their regions and counters) with their own
+round and wait, in the order the chapter builds them:
+
 1. ``PlainBarriers``: copy the whole piece in, reduce this rank's slice into a scratch tensor
    and copy it into the buffer, copy every slice out; a gloo barrier between the phases.
 2. ``SpinCounters``: the same rounds, the ranks waiting on counters in shared memory.
@@ -18,12 +21,12 @@ from typing import Callable, ContextManager
 import torch
 import torch.distributed as dist
 
-from .shm import SharedMemoryAllreduce
+from .shm import SharedBuffers, SharedMemoryAllreduce
 
 WHOLE_TENSOR_BYTES = 64 << 20  # steps 1-3: a buffer as large as the sweep's largest tensor
 
 
-class PlainBarriers(SharedMemoryAllreduce):
+class PlainBarriers(SharedBuffers):
     """Step 1: copy in, reduce into scratch, copy out, with a gloo barrier after each phase.
 
     Every barrier is a message round trip through TCP and gloo's threads, three per round."""
@@ -59,10 +62,10 @@ class SpinCounters(PlainBarriers):
 
     A wait costs a few reads of shared memory instead of a trip through the network stack."""
 
-    _arrive = SharedMemoryAllreduce._arrive
+    _arrive = SharedBuffers._arrive  # the counters, as SharedMemoryAllreduce waits
 
 
-# Step 3 is SharedMemoryAllreduce: SpinCounters with another _round. Each rank reduces
+# Step 3 is SharedMemoryAllreduce: SharedBuffers' counters with another _round. Each rank reduces
 # straight into its own region of its buffer: no scratch tensor (a large fresh one costs a
 # page fault per 4 KiB page) and no copy of it. That region can no longer hold the rank's
 # own slice, which is read from the tensor instead, so it is never copied in; and as the
