@@ -66,7 +66,7 @@ def setup() -> None:
         create_venv()
     try:
         run(PYTHON, "-m", "pip", "install", "--upgrade", "pip")
-        run(PYTHON, "-m", "pip", "install", "--no-compile", "-e", ".[test]")  # .pyc on import
+        run(PYTHON, "-m", "pip", "install", "-e", ".[test]")
         run(PYTHON, "-m", "pip", "install", "--no-deps", D2L)
     except subprocess.CalledProcessError:
         sys.exit("Installing the course's packages with pip failed (its message is above): "

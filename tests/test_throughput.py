@@ -26,11 +26,6 @@ def test_bus_bandwidth_is_the_nccl_tests_convention():
     assert throughput.bus_bandwidth(1000, 2.0, 1) == 0.0  # one rank moves nothing
 
 
-def test_medians_group_values_by_key():
-    assert throughput.medians(["a", "b", "a", "a"], [1.0, 5.0, 3.0, 2.0]) == {"a": 2.0,
-                                                                             "b": 5.0}
-
-
 @pytest.fixture(scope="module")
 def allreduce_seconds() -> dict:
     return throughput.compare_allreduce(NUMELS, world_size=2, repeats=1, timeout=60)

@@ -76,11 +76,3 @@ def slowest_rank(seconds: list[float]) -> list[float]:
     t = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
-
-
-def medians(keys: list, values: list[float]) -> dict:
-    """The median of the values given for each key (keys[i] labels values[i])."""
-    groups: dict = {}
-    for key, value in zip(keys, values):
-        groups.setdefault(key, []).append(value)
-    return {key: statistics.median(vs) for key, vs in groups.items()}
