@@ -216,10 +216,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 class GradientSharding(HelperThread):
     """State of reduce_scatter_hook (ZeRO-2): who owns which parameter (the ShardedOptimizer),
-    a helper thread for gloo's reduce_scatter (it returns no future to wait on), and what
-    makes accumulation right when a rank keeps only its own averaged gradients.
+    a helper thread that waits for gloo's reduce_scatter (it returns no future to wait on;
+    the collective itself is issued by the hook, so every rank issues its collectives in the
+    same order, as a DDP's other collectives), and what makes accumulation right when a rank
+    keeps only its own averaged gradients.
 
-    When backward ends, the gradients of parameters other ranks own are dropped: between
+    When backward ends, the gradients of parameters other ranks own are dropped (under
+    ScratchDDP; torch's DDP writes them after that, so there they go before the step): between
     steps a rank holds only its shard's (during backward a bucket's full gradients exist, as
     with DDP). A second synchronised backward before the step must add to the average a
     rank holds, not average it again with the others' missing share: so the first gradient
@@ -240,7 +243,7 @@ class GradientSharding(HelperThread):
         for p in optimizer._all_params():
             if p.requires_grad:
                 p.register_hook(self._before_accumulate)
-        optimizer.register_step_pre_hook(self._check_synchronised)
+        optimizer.register_step_pre_hook(self._before_step)
 
     def _before_accumulate(self, grad: torch.Tensor) -> None:
         """Tensor hook, before a gradient accumulates: set aside the averages the last
@@ -265,8 +268,10 @@ class GradientSharding(HelperThread):
             elif p.grad is not None:
                 self.averaged[p] = weakref.ref(p.grad)
 
-    def _check_synchronised(self, *_: Any) -> None:
-        """Step pre-hook: nothing may still be set aside (dropped, so the next step can run)."""
+    def _before_step(self, *_: Any) -> None:
+        """Step pre-hook: the others' gradients go (if a DDP wrote them after backward's end,
+        as torch's does); nothing may still be set aside (dropped: the next step can run)."""
+        self._drop_others()
         if self.set_aside:
             self.set_aside.clear()
             raise RuntimeError("ZeRO-2: a backward under no_sync came after the last "
@@ -291,16 +296,18 @@ def reduce_scatter_hook(state: GradientSharding,
               .div_(opt.world) for r in range(opt.world)]
     own = [(g, state.set_aside.pop(p, None)) for p, g, o in zip(params, slices, owners)
            if o == opt.rank]
-    return state.submit(_reduce_scatter, buffer, own, pieces, opt.rank)
+    mine = torch.empty_like(pieces[opt.rank])
+    work = dist.reduce_scatter(mine, pieces, async_op=True)  # issued here: in launch order
+    return state.submit(_own_averages, work, buffer, own, mine)
 
 
 @torch.no_grad()
-def _reduce_scatter(buffer: torch.Tensor, own: list[tuple[torch.Tensor, torch.Tensor | None]],
-                    pieces: list[torch.Tensor], rank: int) -> torch.Tensor:
-    """Sum each rank's piece onto it; return buffer with this rank's sums (plus what was set
+def _own_averages(work: dist.Work, buffer: torch.Tensor,
+                  own: list[tuple[torch.Tensor, torch.Tensor | None]],
+                  mine: torch.Tensor) -> torch.Tensor:
+    """Once the reduce-scatter is done: buffer with this rank's sums (plus what was set
     aside) in its own slices (views of buffer), zeros elsewhere."""
-    mine = torch.empty_like(pieces[rank])
-    dist.reduce_scatter(mine, pieces)
+    work.wait()
     buffer.zero_()
     for (g, kept), piece in zip(own, mine.split([g.numel() for g, _ in own])):
         g.copy_(piece)

@@ -164,17 +164,22 @@ def test_zero2_trains_like_zero1_and_like_plain_ddp(runs, world, cap):
         z = rank_result["zero2"][cap]
         torch.testing.assert_close(z["zero1"]["params"], z["ddp"]["params"], **CLOSE)
         torch.testing.assert_close(z["zero2"]["params"], z["zero1"]["params"], **CLOSE)
+        torch.testing.assert_close(z["zero2 on torch's DDP"]["params"],
+                                   z["zero1 on torch's DDP"]["params"], **CLOSE)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("cap", CAPS)
-def test_zero2_leaves_averaged_gradients_on_owned_parameters_only(runs, world, cap):
+@pytest.mark.parametrize("ddp", ["ours", "torch's"])
+def test_zero2_leaves_averaged_gradients_on_owned_parameters_only(runs, world, cap, ddp):
     for rank, rank_result in enumerate(runs[world]):
         z = rank_result["zero2"][cap]
-        owned = [o == rank and t for o, t in zip(z["zero2"]["owners"], z["trainable"])]
-        assert [g is not None for g in z["zero2"]["grads"]] == owned
+        zero2 = z["zero2" if ddp == "ours" else "zero2 on torch's DDP"]
+        owned = [o == rank and t for o, t in zip(zero2["owners"], z["trainable"])]
+        assert [g is not None for g in zero2["grads"]] == owned
         assert any(owned) and not all(owned)
-        for mine, ours, full in zip(owned, z["zero2"]["grads"], z["zero1"]["grads"]):
+        zero1 = z["zero1" if ddp == "ours" else "zero1 on torch's DDP"]
+        for mine, ours, full in zip(owned, zero2["grads"], zero1["grads"]):
             if mine:
                 torch.testing.assert_close(ours, full, **CLOSE)
 

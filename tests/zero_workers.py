@@ -202,19 +202,30 @@ def optimizer_for(stage: str, ddp: ScratchDDP) -> torch.optim.Optimizer:
 def zero2_against_zero1(bucket_cap_mb: float, model_name: str = "tied") -> dict:
     """AdamW on model_name initialised differently on every rank, with each rank's share of
     the batches: plain AdamW after ScratchDDP, ZeRO-1 (ScratchDDP + ShardedOptimizer) and
-    ZeRO-2 (the same, with reduce_scatter_hook); the gradients each holds after the last
-    backward."""
+    ZeRO-2 (the same, with reduce_scatter_hook), and ZeRO-2's hook on torch's DDP; the
+    gradients each holds after the last backward."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
-    for stage in STAGES:
-        ddp = ScratchDDP(MODELS[model_name](rank), bucket_cap_mb)
-        opt = optimizer_for(stage, ddp)
+    for stage in (*STAGES, "zero1 on torch's DDP", "zero2 on torch's DDP"):
+        if stage.endswith("on torch's DDP"):  # the same hook on torch's DDP (which leaves
+            ddp = nn.parallel.DistributedDataParallel(  # a gradient unused everywhere None)
+                MODELS[model_name](rank), bucket_cap_mb=bucket_cap_mb or 1e-6,
+                find_unused_parameters=True)
+            opt = ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, **OPTIMIZERS["AdamW"][1])
+            if stage.startswith("zero2"):
+                ddp.register_comm_hook(GradientSharding(opt), reduce_scatter_hook)
+        else:
+            ddp = ScratchDDP(MODELS[model_name](rank), bucket_cap_mb)
+            opt = optimizer_for(stage, ddp)
         train(ddp, opt, range(STEPS - 1), rank, world)
         opt.zero_grad()
         backward(ddp, STEPS - 1, rank, world)
         params = list(ddp.parameters())
-        out[stage] = {"grads": [None if p.grad is None else p.grad.clone() for p in params]}
+        if not stage.endswith("on torch's DDP"):  # after backward; on torch's: after the step
+            out[stage] = {"grads": [None if p.grad is None else p.grad.clone() for p in params]}
         opt.step()
+        out.setdefault(stage, {"grads": [None if p.grad is None else p.grad.clone()
+                                         for p in params]})
         out[stage]["params"] = flat(ddp)
         if stage != "ddp":
             out[stage]["owners"] = [opt.owner(p) for p in params]
