@@ -75,9 +75,6 @@ class GradBucket:
         """This rank's undivided gradients of the bucket's parameters, flattened in order."""
         return self._buffer
 
-    def set_buffer(self, buffer: torch.Tensor) -> None:
-        self._buffer = buffer
-
     def is_last(self) -> bool:
         """Whether this is the last bucket of the backward (the first parameters)."""
         return self._is_last

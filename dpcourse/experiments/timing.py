@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from ..hardware import synchronize
 
 def alternate(cases: dict[Hashable, Callable[[], object]], rounds: int, *, warmup: int = 1,
               before: Callable[[], object] | None = None,
-              devices: list[torch.device] = ()) -> dict[Hashable, list[float]]:
+              devices: Sequence[torch.device] = ()) -> dict[Hashable, list[float]]:
     """Seconds of each call of each case: warmup untimed calls of each, then rounds rounds in
     which every case runs once, in order. before() runs, untimed, before every call;
     the GPUs in devices are synchronised around it; under a process group a barrier starts
