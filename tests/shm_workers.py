@@ -1,4 +1,5 @@
-"""What test_shm_steps.py launches on every rank; ranks import it from tests/ (pytest's sys.path, via spawn)."""
+"""What test_shm_steps.py launches on every rank; ranks import it from tests/ (pytest's sys.path,
+via spawn)."""
 from __future__ import annotations
 
 from contextlib import nullcontext

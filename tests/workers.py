@@ -1,10 +1,12 @@
-"""Functions the tests launch on every rank; ranks import them from tests/ (pytest's sys.path, via spawn)."""
+"""Functions the tests launch on every rank; ranks import them from tests/ (pytest's sys.path, via
+spawn)."""
 from __future__ import annotations
 
 import atexit
 import ctypes
 import multiprocessing as mp
 import os
+import signal
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Iterator
@@ -17,7 +19,7 @@ from dpcourse import p2p
 from dpcourse.comm_hooks import HelperThread, allreduce_hook, ring_hook
 from dpcourse.ddp import ScratchDDP
 from dpcourse.launch import rank_device
-from dpcourse.shm import ShmHookState, shm_hook
+from dpcourse.shm import PREFIX, SHM_DIR, SharedMemoryAllreduce, ShmHookState, shm_hook
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
                "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
@@ -332,14 +334,12 @@ def shm_input(rank: int, numel: int, dtype: torch.dtype, transposed: bool) -> to
 
 def own_segments() -> list[str]:
     """The shared-memory files this process has in /dev/shm."""
-    from dpcourse.shm import PREFIX, SHM_DIR
     return sorted(p.name for p in SHM_DIR.glob(f"{PREFIX}{os.getpid()}-*"))
 
 
 def shm_against_all_reduce(cases: list[tuple], max_bytes: int) -> dict:
     """Each case (numel, dtype, transposed) summed by one SharedMemoryAllreduce, in turn, with
     every collective forbidden, next to dist.all_reduce's sum; then the errors it raises."""
-    from dpcourse.shm import SharedMemoryAllreduce
     rank = dist.get_rank()
     records = []
     with SharedMemoryAllreduce(max_bytes) as shm:
@@ -360,7 +360,6 @@ def shm_against_all_reduce(cases: list[tuple], max_bytes: int) -> dict:
 
 def mapped_segments() -> int:
     """How many shared-memory segments this process still has mapped."""
-    from dpcourse.shm import PREFIX
     with open("/proc/self/maps") as maps:
         return sum(PREFIX in line for line in maps)
 
@@ -376,7 +375,6 @@ def _error_of(fn, *args) -> str | None:
 
 def shm_errors(shm) -> dict:
     """What shm raises for wrong calls, and whether it still works afterwards."""
-    from dpcourse.shm import SharedMemoryAllreduce
     rank = dist.get_rank()
     errors = {
         "numel": _error_of(shm.allreduce, torch.ones(5 + (rank == 1))),
@@ -400,9 +398,7 @@ def shm_errors(shm) -> dict:
 def shm_crash_while_building(bad_rank: int) -> None:
     """bad_rank is killed inside SharedMemoryAllreduce(), its segment created but not yet
     mapped by the others (so not yet removed); the others wait for it."""
-    import signal
 
-    from dpcourse.shm import SharedMemoryAllreduce
     if dist.get_rank() == bad_rank:
         dist.all_gather_object = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
     SharedMemoryAllreduce(1 << 16)
@@ -410,9 +406,7 @@ def shm_crash_while_building(bad_rank: int) -> None:
 
 def shm_crash(bad_rank: int) -> None:
     """Every rank sums once; then bad_rank is killed while the others wait in the next sum."""
-    import signal
 
-    from dpcourse.shm import SharedMemoryAllreduce
     shm = SharedMemoryAllreduce(1 << 16)
     shm.allreduce(torch.ones(1000))
     if dist.get_rank() == bad_rank:

@@ -1,4 +1,5 @@
-"""What the ZeRO tests launch on every rank; ranks import it from tests/ (pytest's sys.path, via spawn)."""
+"""What the ZeRO tests launch on every rank; ranks import it from tests/ (pytest's sys.path, via
+spawn)."""
 from __future__ import annotations
 
 import copy
@@ -10,6 +11,7 @@ from typing import Any, Callable, Container, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dpcourse.experiments import zero_demos
 from dpcourse.comm_hooks import allreduce_hook
@@ -279,7 +281,6 @@ def clipping(stage: str, norm_type: float) -> dict:
 def against_torch_zero() -> dict:
     """STEPS steps of AdamW with our ShardedOptimizer and with torch's ZeroRedundancyOptimizer
     on the same model and batches on every rank."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     cls, kwargs = OPTIMIZERS["AdamW"]
     model, reference = tied_net(0), tied_net(0)
     ours = ShardedOptimizer(model.parameters(), cls, **kwargs)
