@@ -21,7 +21,11 @@ from dpcourse.lenet import LeNet, init_lenet_params
 WORLD, SIZE, BATCH, LR, SEED = 2, 256, 32, 0.1, 0
 COMMON = ["--train-size", str(SIZE), "--batch-size", str(BATCH), "--lr", str(LR),
           "--seed", str(SEED), "--epochs", "2"]
-RTOL, ATOL = 1e-5, 1e-7  # float32; assert_same_parameters prints the measured gap
+# float32 after 5 steps: the one-process reference alone moves by up to 5.7e-6 between 1 and
+# 2 intra-op threads (measured here), so 2e-5 absolute; averaging wrongly (a sum, one rank's
+# gradient) moves parameters by about lr * gradient, 1e-3 and more. assert_same_parameters
+# prints the measured gap.
+RTOL, ATOL = 1e-5, 2e-5
 
 
 def torchrun(*args: str) -> str:
