@@ -8,6 +8,7 @@ adds ``shm.shm_hook``, chapter 09 ``zero.reduce_scatter_hook``. (Modules that de
 do without ``from __future__ import annotations``: torch's DDP checks the hook's annotations
 against ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``, not their strings.)
 """
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -28,10 +29,12 @@ def allreduce_hook(group: dist.ProcessGroup | None,
 class HelperThread:
     """Hook state for a blocking collective (our ring, shared memory): one helper thread runs
     it, so that backward goes on meanwhile. Buckets run one after another, in launch order,
-    as every rank must. Close it (or use it in a with block) when training is done."""
+    as every rank must. Close it (or use it in a with block) when training is done; one that
+    is dropped unclosed lets its thread end when it is garbage-collected."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(1, "dpcourse-hook")
+        self._on_collect = weakref.finalize(self, self._executor.shutdown, wait=False)
 
     def submit(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.futures.Future:
         """A torch future of fn(*args), run on the helper thread (its exception is re-raised
@@ -47,6 +50,7 @@ class HelperThread:
         return future
 
     def close(self) -> None:
+        self._on_collect.detach()
         self._executor.shutdown(wait=True)
 
     def __enter__(self) -> "HelperThread":

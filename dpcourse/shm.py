@@ -52,11 +52,11 @@ class SharedBuffers:
 
     def __init__(self, max_bytes: int = 2 << 20, *, timeout: float = 60.0) -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("SharedMemoryAllreduce needs the default process group")
+            raise RuntimeError(f"{type(self).__name__} needs the default process group")
         if not SHM_DIR.is_dir():
-            raise RuntimeError(f"SharedMemoryAllreduce needs Linux's {SHM_DIR}")
+            raise RuntimeError(f"{type(self).__name__} needs Linux's {SHM_DIR}")
         if platform.machine().lower() not in ("x86_64", "amd64"):
-            raise RuntimeError("SharedMemoryAllreduce needs an x86-64 CPU: its counters rely on "
+            raise RuntimeError(f"{type(self).__name__} needs an x86-64 CPU: its counters rely on "
                                "x86-64 keeping stores in order (ARM may reorder them); use "
                                f"dist.all_reduce on this {platform.machine()} machine")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -94,9 +94,9 @@ class SharedBuffers:
     @torch.no_grad()
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum tensor in place across the ranks (every slice in rank order); return it."""
-        check_tensor(tensor, "SharedMemoryAllreduce.allreduce")
+        check_tensor(tensor, f"{type(self).__name__}.allreduce")
         if tensor.device.type != "cpu":
-            raise ValueError(f"SharedMemoryAllreduce needs CPU tensors, got {tensor.device}")
+            raise ValueError(f"{type(self).__name__} needs CPU tensors, got {tensor.device}")
         if not self._maps:
             raise RuntimeError(f"this {type(self).__name__} is closed")
         if self.world == 1:

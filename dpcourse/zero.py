@@ -223,12 +223,14 @@ class GradientSharding(HelperThread):
 
     When backward ends, the gradients of parameters other ranks own are dropped (under
     ScratchDDP; torch's DDP writes them after that, so there they go before the step): between
-    steps a rank holds only its shard's (during backward a bucket's full gradients exist, as
-    with DDP). A second synchronised backward before the step must add to the average a
-    rank holds, not average it again with the others' missing share: so the first gradient
-    of each backward sets aside the averages the last synchronised backward left, and the
-    reduce-scatter adds them back. Under no_sync every rank accumulates its full local
-    gradients, as with DDP; the step must follow a synchronised backward (else it raises).
+    steps a rank holds only its shard's. Until backward ends every gradient exists in full, as
+    with DDP: a hook returns the whole bucket's buffer, which the DDP writes into every
+    gradient (torch's hook_with_zero_step has the same contract). A second synchronised
+    backward before the step must add to the average a rank holds, not average it again with
+    the others' missing share: so the first gradient of each backward sets aside the averages
+    the last synchronised backward left, and the reduce-scatter adds them back. Under no_sync
+    every rank accumulates its full local gradients, as with DDP; the step must follow a
+    synchronised backward (else it raises).
     """
 
     def __init__(self, optimizer: ShardedOptimizer) -> None:
@@ -284,8 +286,9 @@ def reduce_scatter_hook(state: GradientSharding,
     """ZeRO-2's communication hook: the bucket's gradients laid out owner by owner, and
     dist.reduce_scatter sends each rank the average of its own piece only: (w-1)/w of the
     bucket per rank on a ring, half an allreduce's volume (gloo's reduce_scatter is not built
-    that way: chapter 10). The future's buffer holds this rank's averages, zeros elsewhere;
-    the other ranks' gradients are dropped when backward ends."""
+    that way and, on the CPU, is not faster than its allreduce). The future's buffer holds
+    this rank's averages, zeros elsewhere; the other ranks' gradients are dropped when
+    backward ends."""
     opt = state.optimizer
     state._queue_drop()
     buffer = bucket.buffer()

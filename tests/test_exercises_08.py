@@ -116,7 +116,6 @@ def test_best_bucket_accepts_the_formula(capsys):
 
 
 def test_exercise_3s_model_is_the_chapters_resnet18():
-    from dpcourse.experiments import performance
     assert performance.gradient_bytes(performance.resnet18_model()) == BUCKET_MODEL_BYTES
 
 

@@ -161,7 +161,11 @@ def gpu_images_per_second_on_rank(steps: int, batch_size: int) -> float:
                          batch_size, seed=dist.get_rank(), device=device)
     for _ in range(WARMUP_STEPS):
         step()
-    [seconds] = alternate({"DDP": repeat(step, steps)}, 1, warmup=0, devices=[device])["DDP"]
+
+    def step_and_wait() -> None:
+        step()
+        torch.cuda.synchronize(device)
+    [seconds] = alternate({"DDP": repeat(step_and_wait, steps)}, 1, warmup=0)["DDP"]
     return dist.get_world_size() * batch_size * steps / seconds
 
 

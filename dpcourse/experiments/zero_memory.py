@@ -81,7 +81,7 @@ def measure_stages(world_size: int = 2, model: str = "lenet",
     The formula splits evenly; the shards split whole tensors, so they are only as even as
     the tensors' sizes allow, and the measured state adds Adam's 4-byte step counters. All
     are measured between steps: ZeRO-2 saves the gradients kept from one step to the next;
-    during backward a bucket's full gradients and its reduce-scatter pieces exist as with DDP.
+    during backward every gradient exists in full, as with DDP (zero.GradientSharding).
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {tuple(MODELS)}, got {model!r}")
