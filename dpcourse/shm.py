@@ -154,13 +154,8 @@ class SharedBuffers:
 
 
 class SharedMemoryAllreduce(SharedBuffers):
-    """An allreduce (sum) through buffers shared by every rank of the default process group.
-
-    Create it on every rank with the same max_bytes: larger tensors stream through the
-    buffers; a few MiB that fit the CPU's caches beat a buffer as large as the tensor
-    (chapter 08 measures both). Each round, every rank sums its own slice straight into its
-    own region, where the others gather it: two waits per round.
-    """
+    """An allreduce (sum) through shared buffers: each rank sums its own slice straight into its
+    own region, where the others gather it (two waits per round; chapter 08 sizes the buffer)."""
 
     def _round(self, piece: torch.Tensor, first: bool) -> None:
         """Allreduce one piece that fits in the buffers: copy in, reduce, gather."""
