@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Set up the course and run it: `python3 course.py lab | test | bench | execute | slides`.
+"""Set up the course and run it: `python3 course.py lab | student | test | bench | execute | slides`.
 
 Each command creates or reuses the virtual environment .venv next to this file (Python >= 3.10).
 Arguments after the command go to JupyterLab, pytest, the benchmark, the executor or the slides.
@@ -20,6 +20,7 @@ BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
 D2L = "d2l==1.0.3"  # its pinned 2023 dependencies break Python >= 3.12, so it goes in --no-deps
 SLIDES_DIR = ROOT / "build" / "slides"
+STUDENT_DIR = ROOT / "build" / "student"
 # JupyterLab's app-wide defaults inside .venv: no "Jupyter news" pop-up, no update check.
 LAB_OVERRIDES = VENV / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
 NO_NEWS = {"@jupyterlab/apputils-extension:notification":
@@ -66,7 +67,7 @@ def setup() -> None:
         create_venv()
     try:
         run(PYTHON, "-m", "pip", "install", "--upgrade", "pip")
-        run(PYTHON, "-m", "pip", "install", "-e", ".[test]")
+        run(PYTHON, "-m", "pip", "install", "-e", ".[test,student]")
         run(PYTHON, "-m", "pip", "install", "--no-deps", D2L)
     except subprocess.CalledProcessError:
         sys.exit("Installing the course's packages with pip failed (its message is above): "
@@ -80,12 +81,12 @@ def is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
-def lab_args(args: "list[str]", root: bool) -> "list[str]":
-    """JupyterLab's arguments: the user's, in notebooks/ unless they name a root directory,
+def lab_args(args: "list[str]", root: bool, folder: Path = ROOT / "notebooks") -> "list[str]":
+    """JupyterLab's arguments: the user's, in folder unless they name a root directory,
     with --allow-root when running as root."""
     extra = []
     if not any(a.split("=")[0] in ROOT_DIR_OPTIONS for a in args):
-        extra.append(f"--ServerApp.root_dir={ROOT / 'notebooks'}")
+        extra.append(f"--ServerApp.root_dir={folder}")
     if root and "--allow-root" not in args:
         extra.append("--allow-root")
     return ["-m", "jupyter", "lab", *extra, *args]
@@ -98,11 +99,17 @@ def write_lab_overrides() -> None:
 
 
 def lab(args: "list[str]") -> "list[str]":
-    """Prepare and return the command line of `course.py lab`."""
+    """Prepare and return the command line of `course.py lab` (`lab --student`: the student
+    versions in build/student, written first where missing or unedited)."""
     write_lab_overrides()
+    folder = ROOT / "notebooks"
+    if "--student" in args:
+        args = [a for a in args if a != "--student"]
+        subprocess.run([str(PYTHON), str(ROOT / "tools" / "student.py")], cwd=ROOT, check=True)
+        folder = STUDENT_DIR
     if is_root():
         print("Running as root (as in most containers): passing --allow-root to JupyterLab.")
-    return lab_args(args, is_root())
+    return lab_args(args, is_root(), folder)
 
 
 def slides_args(args: "list[str]", out_dir: Path = SLIDES_DIR) -> "list[str]":
@@ -118,6 +125,7 @@ def slides_args(args: "list[str]", out_dir: Path = SLIDES_DIR) -> "list[str]":
             "--SlidesExporter.reveal_width=1280",
             "--SlidesExporter.reveal_height=800",
             "--HTMLExporter.embed_images=True",
+            "--SlidesExporter.preprocessors=tools.markers.StripSolutionMarkers",
             "--output-dir", str(out_dir), *notebooks]
 
 
@@ -126,6 +134,7 @@ def main() -> None:
     commands = {
         "setup": lambda: [],
         "lab": lambda: lab(args),
+        "student": lambda: [ROOT / "tools" / "student.py", *args],
         "test": lambda: ["-m", "pytest", *args],
         "bench": lambda: ["-m", "dpcourse.bench", *args],
         "execute": lambda: [ROOT / "tools" / "execute_notebooks.py", *args],

@@ -42,12 +42,16 @@ _ENV_LOCK = threading.Lock()  # launches from several threads set OMP_NUM_THREAD
 
 
 class RankError(RuntimeError):
-    """A rank raised: ``rank`` is its number, ``rank_traceback`` its traceback as text."""
+    """A rank raised: ``rank`` is its number, ``error_type`` the name of its exception's class,
+    ``error_message`` that exception's message and ``rank_traceback`` its traceback as text."""
 
-    def __init__(self, message: str, rank: int, rank_traceback: str) -> None:
+    def __init__(self, message: str, rank: int, rank_traceback: str, error_type: str = "",
+                 error_message: str = "") -> None:
         super().__init__(message)
         self.rank = rank
         self.rank_traceback = rank_traceback
+        self.error_type = error_type
+        self.error_message = error_message
 
 
 class LaunchTimeoutError(TimeoutError):
@@ -310,7 +314,7 @@ def _failure(procs: list, workdir: str) -> RankError:
                            for r, e in failed[1:])
         message += f"\n(then also failed: {others})"
     message += f"\n\nTraceback of rank {rank}, in its own process:\n{report['traceback']}"
-    return RankError(message, rank, report["traceback"])
+    return RankError(message, rank, report["traceback"], report["type"], report["message"])
 
 
 def _read_error(workdir: str, rank: int, exitcode: int) -> dict:

@@ -122,3 +122,28 @@ def check_mean_weights(fn: Callable[[list[int]], list[float]] | None) -> None:
                          f"{[round(w, 6) for w in weights]} give {got:.10f}, "
                          f"the batch mean is {mean:.10f}")
     print("correct: weight each shard's mean by its share of the batch, size / n")
+
+
+def check_split_batch(split_batch: Callable) -> None:
+    """Your split_batch: torch.chunk's shards on every device, X and y cut alike, clear errors."""
+    for k in range(1, 6):
+        devs = [torch.device("cpu", i) for i in range(k)]
+        for n in range(1, 21):
+            X, y = torch.randn(n, 3), torch.arange(n)
+            X_shards, y_shards = split_batch(X, y, devs)
+            want = [len(c) for c in X.chunk(k)]
+            got = [len(s) for s in X_shards]
+            assert got == want, f"{n} examples on {k} devices: shards of {got}, want {want}"
+            assert all(torch.equal(a, b) for a, b in zip(X_shards, X.chunk(k))), (
+                f"{n} examples on {k} devices: the shards of X are not X's rows in order")
+            assert [s.tolist() for s in y_shards] == [c.tolist() for c in y.chunk(k)], (
+                f"{n} examples on {k} devices: the shards of y do not match those of X")
+    for what, args in (("labels of another length", (torch.randn(5, 3), torch.arange(4))),
+                       ("an empty batch", (torch.randn(0, 3), torch.arange(0)))):
+        try:
+            split_batch(*args, devs)
+        except ValueError:
+            continue
+        raise AssertionError(f"split_batch accepted {what}: raise a ValueError that says so")
+    print("split_batch is right: torch.chunk's shards for 1-20 examples on 1-5 devices, "
+          "and clear errors for bad input")
