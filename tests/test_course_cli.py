@@ -77,6 +77,20 @@ def test_is_root_is_false_where_there_are_no_user_ids(course, monkeypatch) -> No
     assert course.is_root() is False
 
 
+def test_lab_student_writes_the_student_versions_and_opens_them(course, monkeypatch) -> None:
+    wrote = []
+    monkeypatch.setattr(course.subprocess, "run", lambda cmd, **kw: wrote.append(cmd))
+    command = command_for(course, monkeypatch, "lab", "--student", "--no-browser")
+    assert wrote and wrote[0][-1].endswith("student.py")
+    assert f"--ServerApp.root_dir={ROOT / 'build' / 'student'}" in command
+    assert "--student" not in command and command[-1] == "--no-browser"
+
+
+def test_student_runs_the_student_tool(course, monkeypatch) -> None:
+    command = command_for(course, monkeypatch, "student")
+    assert command[0].endswith(str(Path("tools") / "student.py"))
+
+
 def test_other_commands_pass_their_arguments_on(course, monkeypatch) -> None:
     assert command_for(course, monkeypatch, "test", "-k", "03_") == ["-m", "pytest", "-k", "03_"]
     assert command_for(course, monkeypatch, "bench", "--quick")[-1] == "--quick"

@@ -167,3 +167,10 @@ def test_a_missing_browser_skips_unless_required(monkeypatch, required: str, out
     monkeypatch.setenv("DPCOURSE_REQUIRE_BROWSER", required)
     with pytest.raises(outcome, match="apt-get install chromium"):
         require_browser()
+
+
+def test_slides_do_not_show_the_student_markers(tmp_path: Path) -> None:
+    notebook = ROOT / "notebooks" / "04_splitting_minibatches.ipynb"
+    assert "### BEGIN SOLUTION" in notebook.read_text()
+    html = build_deck(notebook, tmp_path).read_text()
+    assert "check_split_batch" in html and "BEGIN SOLUTION" not in html
