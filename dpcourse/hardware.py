@@ -16,12 +16,8 @@ def accelerators() -> list[torch.device]:
 
 
 def devices(n: int | None = None, *, simulate: bool = False) -> list[torch.device]:
-    """n devices: real accelerators when at least n exist, else n simulated ones (announced).
-
-    Simulated devices are the CPU (``cpu:0``, ``cpu:1``, ...) or the accelerators present,
-    round-robin. ``n=None`` means every real accelerator, or one CPU. ``simulate=True``
-    always gives n simulated CPU devices, so a result does not depend on the machine.
-    """
+    """n real accelerators if there are that many, else n simulated ones, announced: the
+    accelerators round-robin, or cpu:0, cpu:1, ... (always these with simulate=True)."""
     real = [] if simulate else accelerators()
     if n is None:
         return real or [torch.device("cpu")]

@@ -1,5 +1,8 @@
-"""Chapter 02: the textbook's LeNet, written with bare parameter tensors."""
+"""Chapter 02: the textbook's LeNet, written with bare parameter tensors (and chapter 01's
+profile of it, step by step)."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,25 @@ def lenet(X: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
 def loss(y_hat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross entropy per example (the caller sums, so shards add up to the whole batch)."""
     return F.cross_entropy(y_hat, y, reduction="none")
+
+
+def profile_steps(steps: list[tuple[str, Callable, list[torch.Tensor]]],
+                  X: torch.Tensor) -> list[dict]:
+    """Chapter 01: run steps, each (name, function, parameters used), in order from X; return
+    one row per step: params, out, acts, macs, gather and exchanges, counted for X."""
+    rows, h = [], X
+    for name, step, used in steps:
+        out = step(h)
+        is_view = out.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+        rows.append({"layer": name,
+                     "params": sum(p.numel() for p in used),
+                     "out": out.numel(),
+                     "acts": 0 if is_view else out.numel(),
+                     "macs": out.numel() * used[0].numel() // out.shape[1] if used else 0,
+                     "gather": h.numel() if used and h is not X else 0,
+                     "exchanges": 1 if used and h is not X else 0})
+        h = out
+    return rows
 
 
 class LeNet(nn.Module):

@@ -132,3 +132,52 @@ def test_k4_costs_accept_three_halves_of_the_two_device_costs(capsys) -> None:
     layer_wise = 3 / 2 * 256 * 426_496 * 4  # gathered elements per example, chapter 01's table
     assert said(capsys, ch01.check_k4_costs, data_parallel, layer_wise) == "correct\n"
     assert "give a number" in said(capsys, ch01.check_k4_costs, "67 MB", layer_wise)
+
+
+# ---- the cleared parts of chapters 00 and 01, and their new exercises ----
+
+def test_device_choice_accepts_the_package_and_stops_at_a_stub() -> None:
+    from dpcourse.hardware import devices
+    ch00.check_device_choice(devices)
+
+    def stub(n=None, *, simulate=False):
+        raise NotImplementedError()
+    with pytest.raises(NotImplementedError):
+        ch00.check_device_choice(stub)
+
+
+def test_device_choice_says_when_round_robin_is_missing() -> None:
+    def no_round_robin(n=None, *, simulate=False):
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError("n >= 1")
+        if n is None:
+            return [torch.device("cpu")]
+        if n > 1 or simulate:
+            print("simulating")
+            return [torch.device("cpu", i) for i in range(n)]
+        return [torch.device("cpu")]
+    with pytest.raises(AssertionError, match="two CUDA GPUs|one MPS GPU"):
+        ch00.check_device_choice(no_round_robin)
+
+
+def test_no_copy_accepts_the_no_op_conversions_and_views(capsys) -> None:
+    assert said(capsys, ch00.check_no_copy, {"a", "c", "e"}) == "correct\n"
+    out = said(capsys, ch00.check_no_copy, {"a", "c", "e", "f"})
+    assert "(f) x.t().reshape(6) makes a copy" in out
+
+
+def test_profile_steps_accepts_the_package_and_names_a_wrong_column() -> None:
+    from dpcourse.lenet import profile_steps
+    ch01.check_profile_steps(profile_steps)
+
+    def no_views(steps, X):
+        return [{**row, "acts": row["out"]} for row in profile_steps(steps, X)]
+    with pytest.raises(AssertionError, match="step flatten, acts: got 144, want 0"):
+        ch01.check_profile_steps(no_views)
+
+
+def test_node_bytes_accepts_S_against_seven_quarters_of_S(capsys) -> None:
+    S = RESNET_PARAMETERS * 4
+    assert said(capsys, ch01.check_node_bytes, (S, 1.75 * S)).startswith("correct")
+    assert "one GPU's part" in said(capsys, ch01.check_node_bytes, (S / 4, 1.75 * S))
+    assert "give a pair" in said(capsys, ch01.check_node_bytes, S)

@@ -127,3 +127,49 @@ def test_cpu_needs_identity_and_gpu_gets_a_tolerance_below_another_lr(capsys):
     check_same_as_baseline(other_lr, epoch_loss, test_acc)
     out = capsys.readouterr().out
     assert out.startswith("different") and "CUBLAS_WORKSPACE_CONFIG=:4096:8" in out
+
+
+# ---- the cleared parts (lenet, sgd) and exercise 6 ----
+
+def test_lenet_check_accepts_the_package_and_rejects_max_pooling() -> None:
+    import pytest
+    from dpcourse.exercises.ch02 import check_lenet
+    check_lenet(lenet)
+
+    def max_pooled(X, params):
+        W1, b1, W2, b2, W3, b3, W4, b4 = params
+        h = torch.nn.functional.max_pool2d(torch.relu(torch.conv2d(X, W1, b1)), 2)
+        h = torch.nn.functional.max_pool2d(torch.relu(torch.conv2d(h, W2, b2)), 2)
+        return torch.relu(h.reshape(h.shape[0], -1) @ W3 + b3) @ W4 + b4
+    with pytest.raises(AssertionError, match="logits differ"):
+        check_lenet(max_pooled)
+
+
+def test_sgd_check_accepts_the_package_and_rejects_an_update_out_of_place() -> None:
+    import pytest
+    from dpcourse.exercises.ch02 import check_sgd
+    check_sgd(sgd)
+
+    def out_of_place(params, lr, batch_size):
+        for i, p in enumerate(params):
+            params[i] = (p - lr * p.grad / batch_size).detach().requires_grad_()
+    with pytest.raises(AssertionError, match="in place"):
+        check_sgd(out_of_place)
+
+
+def momentum_sgd(params, buffers, lr, batch_size, momentum=0.9):
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            g = p.grad / batch_size
+            buffers[i] = g.clone() if buffers[i] is None else momentum * buffers[i] + g
+            p -= lr * buffers[i]
+            p.grad = None
+
+
+def test_momentum_accepts_torchs_rule_and_rejects_plain_sgd(capsys) -> None:
+    from dpcourse.exercises.ch02 import check_sgd_momentum
+    check_sgd_momentum(momentum_sgd)
+    assert verdict(capsys) == "correct"
+    check_sgd_momentum(lambda params, buffers, lr, batch_size, momentum=0.9: sgd(params, lr,
+                                                                              batch_size))
+    assert "after step 2" in capsys.readouterr().out

@@ -1,6 +1,9 @@
 """Checkers for chapter 00's exercises (devices and tensors)."""
 from __future__ import annotations
 
+import contextlib
+import io
+import itertools
 from typing import Callable, Iterable
 from unittest import mock
 
@@ -113,3 +116,86 @@ def check_replica_aliases(make_replica: Callable[[torch.Tensor], torch.Tensor] |
         print("not quite: x changed, but the replica is not x: did you change x directly?")
     else:
         print("correct: .to returned x itself, so updating the 'replica' updated x")
+
+
+def _cycled(real: list[torch.device], n: int) -> list[torch.device]:
+    return list(itertools.islice(itertools.cycle(real), n))
+
+
+def _expected_devices(real: list[torch.device], n: int | None,
+                      simulate: bool) -> tuple[list[torch.device], bool]:
+    """What devices(n, simulate=simulate) returns on a machine with these accelerators, and
+    whether it is a simulation (then it must say so)."""
+    cpu = torch.device("cpu")
+    have = [] if simulate else real
+    if n is None:
+        return (have if have else [cpu]), False
+    if len(have) >= n:
+        return have[:n], False
+    if n == 1 and not simulate:
+        return [cpu], False
+    if have:
+        return _cycled(have, n), True
+    return [torch.device("cpu", i) for i in range(n)], True
+
+
+def check_device_choice(devices: Callable[..., list[torch.device]]) -> None:
+    """Your devices(n, simulate=...) on three pretend machines: the right list, a printed
+    announcement exactly when it simulates, and a ValueError for a count that is not >= 1."""
+    machines = {"no accelerator": [], "one MPS GPU": [torch.device("mps")],
+                "two CUDA GPUs": [torch.device("cuda", i) for i in range(2)]}
+    for machine, real in machines.items():
+        with mock.patch.dict(devices.__globals__, {"accelerators": lambda real=real: list(real)}):
+            for n, simulate in itertools.product((None, 1, 2, 3, 4), (False, True)):
+                call = f"devices({n}{', simulate=True' if simulate else ''})"
+                printed = io.StringIO()
+                with contextlib.redirect_stdout(printed):
+                    got = devices(n, simulate=simulate)
+                want, simulated = _expected_devices(real, n, simulate)
+                assert isinstance(got, list) and [str(d) for d in got] == [str(d) for d in want], (
+                    f"on a machine with {machine}, {call} gave {got}, want "
+                    f"{[str(d) for d in want]} (ask accelerators() for the real ones)")
+                assert bool(printed.getvalue().strip()) == simulated, (
+                    f"on a machine with {machine}, {call} " + ("simulates but printed nothing: "
+                    "announce it" if simulated else "is no simulation but printed something"))
+            for bad in (0, -2, 2.5):
+                try:
+                    devices(bad)
+                except ValueError:
+                    continue
+                raise AssertionError(f"devices({bad!r}) did not raise a ValueError: n must be "
+                                     "a whole number >= 1")
+    print("devices is right: real, round-robin or CPU devices on three machines, announced "
+          "when simulated, and a clear error for a bad count")
+
+
+CONVERSIONS = {"a": "x.to(torch.float32)", "b": "x.double()", "c": "x.contiguous()",
+               "d": "x.t().contiguous()", "e": "x.reshape(3, 2)", "f": "x.t().reshape(6)"}
+
+
+def check_no_copy(answer: Iterable[str] | None) -> None:
+    """Exercise 7: the letters of CONVERSIONS that return x's own memory for the float32,
+    contiguous x = torch.arange(6.0).reshape(2, 3); each expression is tested for real."""
+    if not _answered(answer):
+        return
+    if isinstance(answer, str) or not isinstance(answer, (set, frozenset, list, tuple)):
+        print(f'not quite: give a set of letters such as {{"a", "f"}}, not the '
+              f"{type(answer).__name__} {answer!r}")
+        return
+    letters = {str(letter).strip().lower() for letter in answer}
+    unknown = sorted(letters - set(CONVERSIONS))
+    if unknown:
+        print(f"not quite: give letters from a to f; {unknown} is not one of them")
+        return
+    x = torch.arange(6.0).reshape(2, 3)
+    memory = x.untyped_storage().data_ptr()
+    truth = {k for k, expr in CONVERSIONS.items()
+             if eval(expr, {"torch": torch, "x": x}).untyped_storage().data_ptr() == memory}
+    if letters == truth:
+        print("correct")
+        return
+    for letter in sorted(letters - truth):
+        print(f"not quite: ({letter}) {CONVERSIONS[letter]} makes a copy")
+    for letter in sorted(truth - letters):
+        print(f"not quite: ({letter}) {CONVERSIONS[letter]} returns x's own memory "
+              "(compare untyped_storage().data_ptr() to see it)")

@@ -174,3 +174,61 @@ def check_cpu_gpu_split(gpu_examples: int | None) -> None:
         print(f"not quite: with {gpu_examples} on the GPU the step lasts "
               f"{step_time(gpu_examples)} GPU-example times; the best split gives "
               f"{step_time(truth)}")
+
+
+def check_profile_steps(profile_steps: Callable) -> None:
+    """Your profile_steps on a small network whose counts are worked out here by hand:
+    a 3 x 3 convolution of 4 filters on one 8 x 8 image, a ReLU, a flatten, a dense layer."""
+    g = torch.Generator().manual_seed(0)
+    W1, b1 = torch.randn(4, 1, 3, 3, generator=g), torch.zeros(4)
+    W2, b2 = torch.randn(4 * 6 * 6, 5, generator=g), torch.zeros(5)
+    steps = [("conv", lambda h: F.conv2d(h, W1, b1), [W1, b1]), ("relu", F.relu, []),
+             ("flatten", lambda h: h.reshape(h.shape[0], -1), []),
+             ("dense", lambda h: h @ W2 + b2, [W2, b2])]
+    rows = profile_steps(steps, torch.randn(1, 1, 8, 8, generator=g))
+    columns = ("layer", "params", "out", "acts", "macs", "gather", "exchanges")
+    want = [("conv", 36 + 4, 4 * 6 * 6, 144, 144 * 9, 0, 0), ("relu", 0, 144, 144, 0, 0, 0),
+            ("flatten", 0, 144, 0, 0, 0, 0), ("dense", 144 * 5 + 5, 5, 5, 5 * 144, 144, 1)]
+    hints = {"params": "the elements of the parameters the step uses",
+             "out": "the elements of the step's output", "acts": "a reshape makes no new "
+             "memory: compare untyped_storage().data_ptr() of its input and output",
+             "macs": "output elements x (weight elements / output channels)",
+             "gather": "the input's elements, for a step with parameters that is not the first",
+             "exchanges": "1 for a step with parameters that is not the first, else 0"}
+    assert isinstance(rows, list) and len(rows) == len(want), (
+        f"profile_steps should return a list of one row per step ({len(want)}), got {rows!r:.80}")
+    for row, values in zip(rows, want):
+        assert isinstance(row, dict) and set(row) == set(columns), (
+            f"each row is a dict with the keys {columns}, got {row!r:.80}")
+        for column, value in zip(columns, values):
+            assert row[column] == value, (f"step {values[0]}, {column}: got {row[column]}, "
+                                          f"want {value} ({hints.get(column, 'the step name')})")
+    print("profile_steps is right: every count of a convolution, a ReLU, a flatten and a "
+          "dense layer")
+
+
+def check_node_bytes(answer: tuple[float, float] | None) -> None:
+    """Exercise 7: bytes that leave one node per step for ResNet-18's float32 gradients on two
+    nodes of four GPUs, (hierarchical allreduce, one flat ring over the eight GPUs)."""
+    if not _answered(answer):
+        return
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 2
+            and all(_is_number(a) for a in answer)):
+        print(f"not quite: give a pair of numbers (hierarchical, flat), not {answer!r}")
+        return
+    S = sum(p.numel() for p in resnet18().parameters()) * FP32
+    per_gpu = 2 * (2 - 1) / 2 * (S / 4)  # its quarter, ring-allreduced over two nodes
+    truth = (4 * per_gpu, 2 * (8 - 1) / 8 * S)  # four GPUs; the one GPU whose link leaves
+    hierarchical, flat = answer
+    right = [abs(a - t) <= max(1.0, 1e-6 * t) for a, t in zip(answer, truth)]
+    if all(right):
+        print(f"correct: {truth[0]:,.0f} bytes against {truth[1]:,.0f}")
+        return
+    if not right[0]:
+        hint = (": that is one GPU's part; all four GPUs of the node send theirs"
+                if abs(hierarchical - per_gpu) <= max(1.0, 1e-6 * per_gpu) else
+                ": each GPU ring-allreduces a quarter of the gradients with one peer")
+        print(f"not quite: the hierarchical scheme sends {hierarchical:,.0f} bytes{hint}")
+    if not right[1]:
+        print(f"not quite: in the flat ring, {flat:,.0f} bytes; only one GPU's link leaves "
+              "the node, and it carries all that GPU sends in the 8-device ring")

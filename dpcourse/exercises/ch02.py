@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..lenet import LENET_SHAPES, init_lenet_params
 from ..training import TrainResult
@@ -19,6 +21,7 @@ PLATEAU_STEPS = 48  # exercise 2's per-step losses per scale
 # seed, learning rate or batch order changes.
 GPU_LOSS_RTOL = 1e-3
 GPU_ACC_ATOL = 0.01
+NAMES = ["W1", "b1", "W2", "b2", "W3", "b3", "W4", "b4"]
 
 
 def check_best_lr(answer: float | None, results: dict[float, TrainResult]) -> None:
@@ -130,3 +133,83 @@ def check_same_as_baseline(result: TrainResult | None, epoch_loss: list[float],
           "different order on every run. For identical runs, set the environment variable "
           "CUBLAS_WORKSPACE_CONFIG=:4096:8 before CUDA starts (restart the kernel, set it in the "
           "first cell), then call torch.use_deterministic_algorithms(True) before both runs")
+
+
+def check_lenet(lenet: Callable) -> None:
+    """Your lenet(X, params): the logits of the same network built from torch.nn's modules
+    with the same weights, and gradients that reach every parameter."""
+    params = [p.requires_grad_() for p in init_lenet_params(seed=1, scale=0.1)]
+    X = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(2))
+    got = lenet(X, params)
+    net = nn.Sequential(nn.Conv2d(1, 20, 3), nn.ReLU(), nn.AvgPool2d(2), nn.Conv2d(20, 50, 5),
+                        nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(800, 128),
+                        nn.ReLU(), nn.Linear(128, 10))
+    with torch.no_grad():
+        for layer, (W, b) in zip([net[0], net[3], net[7], net[9]], zip(params[::2], params[1::2])):
+            layer.weight.copy_(W if isinstance(layer, nn.Conv2d) else W.T)
+            layer.bias.copy_(b)
+        want = net(X)
+    assert isinstance(got, torch.Tensor) and got.shape == (3, 10), (
+        f"3 images should give logits of shape (3, 10), got "
+        f"{tuple(got.shape) if isinstance(got, torch.Tensor) else got!r}")
+    gap = float((got.detach() - want).abs().max())
+    assert gap <= 1e-4 * float(want.abs().max()), (
+        f"your logits differ from LeNet's by up to {gap:.2g}: conv, relu, avg-pool 2x2, "
+        "twice, then flatten, dense, relu, dense")
+    got.sum().backward()
+    missing = [name for name, p in zip(NAMES, params) if p.grad is None]
+    assert not missing, f"no gradient reached {missing}: compute with the parameters themselves"
+    print("lenet is right: the logits of torch.nn's LeNet with the same weights, and gradients "
+          "for all eight parameters")
+
+
+def check_sgd(sgd: Callable) -> None:
+    """Your sgd(params, lr, batch_size): p -= lr * p.grad / batch_size in place, not recorded
+    by autograd, and the gradients cleared."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(3, 2, generator=g).requires_grad_(),
+              torch.randn(4, generator=g).requires_grad_()]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    want = [(p - 0.5 * p.grad / 8).detach() for p in params]
+    tensors, memory = list(params), [p.data_ptr() for p in params]
+    sgd(params, 0.5, 8)
+    for i, p in enumerate(params):
+        assert p is tensors[i] and p.data_ptr() == memory[i], (
+            f"parameter {i} is a new tensor: update it in place (p -= ...)")
+        assert p.is_leaf and p.grad_fn is None and p.requires_grad, (
+            f"parameter {i} is no longer a leaf that requires grad: update it under "
+            "torch.no_grad()")
+        gap = float((p.detach() - want[i]).abs().max())
+        assert gap <= 1e-6, (f"parameter {i} is off by up to {gap:.2g} from "
+                             "p - lr * p.grad / batch_size")
+        assert p.grad is None, f"parameter {i} still has a gradient: set p.grad = None"
+    print("sgd is right: p -= lr * p.grad / batch_size in place, unrecorded, gradients cleared")
+
+
+def check_sgd_momentum(sgd_momentum: Callable | None, momentum: float = 0.9) -> None:
+    """Exercise 6: three steps of sgd_momentum(params, buffers, lr, batch_size, momentum) equal
+    three steps of torch.optim.SGD(lr=lr, momentum=momentum) on the mean gradient."""
+    if sgd_momentum is None:
+        return print("not answered yet")
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(3, 2, generator=g).requires_grad_(),
+              torch.randn(4, generator=g).requires_grad_()]
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    optimizer = torch.optim.SGD(twins, lr=0.5, momentum=momentum)
+    buffers = [None] * len(params)
+    for step in range(1, 4):
+        for p, q in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=g)  # summed over a batch of 8
+            q.grad = p.grad / 8
+        sgd_momentum(params, buffers, 0.5, 8, momentum)
+        optimizer.step()
+        gap = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(params, twins))
+        if gap > 1e-5:
+            return print(f"not quite: after step {step} the parameters differ from "
+                         f"torch.optim.SGD's by up to {gap:.2g}" + (
+                             ": the first step's buffer is the gradient itself"
+                             if step == 1 else ": buf = momentum * buf + p.grad / batch_size"))
+        if any(p.grad is not None for p in params):
+            return print("not quite: clear the gradients (p.grad = None), as sgd does")
+    print(f"correct: three steps equal torch.optim.SGD(momentum={momentum})")

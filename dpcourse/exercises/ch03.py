@@ -95,3 +95,131 @@ def check_traffic(answer: tuple[int, int] | None, k: int = 8, n: int = 25_000_00
     print("correct" if all(right) else
           f"not quite: (a) is {'right' if right[0] else 'wrong'} (the whole tensor, k-1 times), "
           f"(b) is {'right' if right[1] else 'wrong'} (chunks of N/k, 2(k-1) times)")
+
+
+def _simulated(k: int) -> list[torch.device]:
+    return [torch.device("cpu", i) for i in range(k)]
+
+
+def check_get_params(get_params: Callable) -> None:
+    """Your get_params(params, device): equal values in new memory on device, a leaf that
+    requires grad, and the source untouched, even where p.to(device) would be p itself."""
+    for device in (torch.device("cpu"), torch.device("cpu", 1)):
+        params = init_lenet_params(seed=0, scale=0.1)
+        before = [p.clone() for p in params]
+        replica = get_params(params, device)
+        assert isinstance(replica, list) and len(replica) == len(params), (
+            f"get_params should return a list of {len(params)} tensors, got {replica!r:.60}")
+        for i, (p, r) in enumerate(zip(params, replica)):
+            where = f"on {device}, parameter {i}"
+            assert torch.equal(r.detach(), before[i]), f"{where}: the copy's values differ"
+            assert r.data_ptr() != p.data_ptr(), (
+                f"{where}: the copy is in the source's memory; ask .to for copy=True")
+            assert r.device.type == device.type, f"{where}: the copy is on {r.device}"
+            assert r.is_leaf and r.requires_grad, (
+                f"{where}: the copy must be a leaf that requires grad (detach, then "
+                "requires_grad_())")
+            assert not p.requires_grad, f"{where}: the source now requires grad too"
+    print("get_params is right: independent leaf copies that require grad, the source untouched")
+
+
+def check_broadcast(broadcast: Callable) -> None:
+    """Your broadcast(tensor, devs): one copy per device, each in its own memory, none
+    requiring grad, and a ValueError for an empty device list."""
+    source = torch.arange(6.0).reshape(2, 3).requires_grad_()
+    for k in (1, 2, 3, 5):
+        devs = [torch.device("cpu")] + _simulated(k - 1)
+        copies = broadcast(source, devs)
+        assert isinstance(copies, list) and len(copies) == k, (
+            f"{k} devices should give a list of {k} copies, got {copies!r:.60}")
+        memory = {source.data_ptr()} | {c.data_ptr() for c in copies}
+        assert len(memory) == k + 1, (
+            f"on {k} devices some copies share memory with each other or with the tensor: "
+            "ask .to for copy=True")
+        for d, c in zip(devs, copies):
+            assert torch.equal(c, source.detach()), f"the copy for {d} has other values"
+            assert not c.requires_grad, f"the copy for {d} requires grad: detach it"
+    try:
+        broadcast(source, [])
+    except ValueError:
+        return print("broadcast is right: independent copies on 1, 2, 3 and 5 devices, and a "
+                     "clear error for no devices")
+    raise AssertionError("broadcast(tensor, []) did not raise a ValueError: call check_devices")
+
+
+def _contributions(k: int, shape: tuple[int, ...] = (3, 7)) -> list[torch.Tensor]:
+    """k tensors of small whole numbers (so any order of additions sums exactly)."""
+    g = torch.Generator().manual_seed(k)
+    return [torch.randint(-9, 10, shape, generator=g).float() for _ in range(k)]
+
+
+def _check_sums(fn: Callable, sent_for: Callable, shape: tuple[int, ...] = (3, 7)) -> None:
+    """fn sums in place for k = 1..6 on simulated devices and returns sent_for(k, N)."""
+    for k in range(1, 7):
+        data = _contributions(k, shape)
+        total = torch.stack(data).sum(0)
+        tensors = [t.to(d) for t, d in zip(data, _simulated(k))]
+        sent = fn(list(tensors))  # a fresh list, as train_batch passes: only writes count
+        for i, t in enumerate(tensors):
+            assert torch.equal(t, total), (
+                f"{k} devices: tensor {i} does not hold the sum; write it into the tensor "
+                "(add_, copy_), not into the list")
+        want = sent_for(k, total.numel())
+        assert list(sent) == want, f"{k} devices of {total.numel()} elements: sent {sent}, " \
+                                   f"want {want}"
+
+
+def check_allreduce(allreduce: Callable) -> None:
+    """Your allreduce(tensors): every tensor holds the sum, written in place, and the counts
+    (k-1)N for the first device, N for each other; shared memory is refused."""
+    _check_sums(allreduce, lambda k, n: [(k - 1) * n] + [n] * (k - 1))
+    t = torch.ones(3)
+    try:
+        allreduce([t, t])
+    except ValueError:
+        return print("allreduce is right: the sum in place on 1-6 devices, the counts, and an "
+                     "error for tensors that share memory")
+    raise AssertionError("allreduce([t, t]) did not raise a ValueError: call check_collective")
+
+
+def _ring_sent(k: int, n: int) -> list[int]:
+    """What device i sends in a chunked ring: every chunk but (i+1) mod k in the
+    reduce-scatter, every chunk but (i+2) mod k in the all-gather."""
+    if k == 1:
+        return [0]
+    sizes = [len(c) for c in torch.arange(n).tensor_split(k)]
+    return [2 * n - sizes[(i + 1) % k] - sizes[(i + 2) % k] for i in range(k)]
+
+
+def check_ring_allreduce(ring_allreduce: Callable) -> None:
+    """Your ring_allreduce(tensors): the sum in place on 1-6 devices (21 elements, so the
+    chunks are unequal), the counts of a chunked ring, and a non-contiguous tensor too."""
+    _check_sums(ring_allreduce, _ring_sent)
+    data = [t.t() for t in _contributions(3)]  # transposed: not contiguous
+    total = torch.stack(data).sum(0)
+    ring_allreduce(data)
+    assert all(torch.equal(t, total) for t in data), (
+        "transposed (non-contiguous) tensors do not hold the sum: sum into a contiguous copy "
+        "and copy it back")
+    print("ring_allreduce is right: the sum in place on 1-6 devices, each device sending what "
+          "a chunked ring sends, non-contiguous tensors too")
+
+
+def tree_sent(k: int, n: int) -> list[int]:
+    """Elements each device sends in a binary-tree allreduce in heap order: its tensor to its
+    parent (all but device 0), then the sum to each of its children (2i+1, 2i+2)."""
+    return [n * ((i > 0) + sum(c < k for c in (2 * i + 1, 2 * i + 2))) for i in range(k)]
+
+
+def check_tree_allreduce(fn: Callable | None) -> None:
+    """Exercise 6: fn(tensors) sums in place over a binary tree and returns what each device
+    sent, as tree_sent counts it."""
+    if fn is None:
+        return print("not answered yet")
+    try:
+        _check_sums(fn, tree_sent)
+    except AssertionError as err:
+        return print(f"not quite: {err}")
+    busiest = max(tree_sent(8, 840)) // 840
+    print(f"correct: the sums, and on 8 devices the busiest device sends {busiest} N (the ring: "
+          "1.75 N), over 3 levels up and 3 down (the ring: 14 steps)")
