@@ -10,6 +10,34 @@ parameters, so that all ranks end each step with the same parameters as the plai
 optimizer's. ``ddp.register_comm_hook(GradientSharding(opt), reduce_scatter_hook)`` adds
 stage 2: each bucket is reduce-scattered to the ranks owning its parameters, and the other
 gradients are dropped before each step.
+
+ShardedOptimizer: whole parameters are shared out (partition; a repeated parameter counts
+once), so the shards are as even as the tensor sizes allow. ``param_groups`` holds every
+parameter and hyperparameter (schedulers work as usual); ``optim`` is this rank's
+optimizer_cls over its shard and ``state`` its state. Parameters without a gradient are
+skipped, as torch's optimizers skip them; frozen parameters weigh nothing in the split. After
+stepping, each rank broadcasts its shard as one flat buffer per dtype, so every rank receives
+the parameters it does not own: the volume of an all-gather, without padding the shards to
+equal sizes as dist.all_gather_into_tensor needs. clip_grad_norm_ clips by the norm over all
+ranks' gradients.
+
+GradientSharding: the collective itself is issued by the hook, so every rank issues its
+collectives in the same order, as a DDP's other collectives; gloo's reduce_scatter returns no
+future, so a helper thread waits for it. When backward ends, the gradients of parameters
+other ranks own are dropped (under ScratchDDP; torch's DDP writes them after that, so there
+they go before the step): between steps a rank holds only its shard's. Until backward ends
+every gradient exists in full, as with DDP: a hook returns the whole bucket's buffer, which
+the DDP writes into every gradient (torch's hook_with_zero_step has the same contract). A
+second synchronised backward before the step must add to the average a rank holds, not
+average it again with the others' missing share: so the first gradient of each backward sets
+aside the averages the last synchronised backward left, and the reduce-scatter adds them
+back. Under no_sync every rank accumulates its full local gradients, as with DDP; the step
+must follow a synchronised backward (else it raises).
+
+reduce_scatter_hook lays the bucket's gradients out owner by owner, so dist.reduce_scatter
+sends each rank the average of its own piece only: (w-1)/w of the bucket per rank on a ring,
+half an allreduce's volume (gloo's reduce_scatter is not built that way and, on the CPU, is
+not faster than its allreduce). The other ranks' gradients are dropped when backward ends.
 """
 import math
 import weakref
@@ -39,19 +67,9 @@ def partition(sizes: list[int], world_size: int, loads: list[int] | None = None)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO stage 1: optimizer_cls(**defaults) over this rank's shard of params only.
-
-    Needs the default process group, and gradients already equal on every rank. Whole
-    parameters are shared out (partition; a repeated parameter counts once), so the shards
-    are as even as the tensor sizes allow. ``param_groups`` holds every parameter and
-    hyperparameter (schedulers work as usual); ``optim`` is this rank's optimizer_cls over
-    its shard and ``state`` its state. Parameters without a gradient are skipped, as torch's
-    optimizers skip them; frozen parameters weigh nothing in the split. After stepping, each
-    rank broadcasts its shard as one flat buffer per dtype, so every rank receives the
-    parameters it does not own: the volume of an all-gather, without padding the shards to
-    equal sizes as dist.all_gather_into_tensor needs. clip_grad_norm_ clips by the norm over
-    all ranks' gradients.
-    """
+    """ZeRO stage 1: optimizer_cls(**defaults) over this rank's shard of params only (whole
+    parameters shared out by partition); needs the default process group and gradients
+    already equal on every rank. The module's docstring says the rest."""
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
                  **defaults: Any) -> None:
@@ -193,45 +211,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                     if self._owners[p] == self.rank]}
 
     def _share_parameters(self) -> None:
-        """Every rank in turn broadcasts its shard, one flat buffer per (device, dtype) (same
-        order on every rank: owners and parameters are the same everywhere)."""
-        if self.world == 1:
-            return
+        """Every rank in turn broadcasts its shard, one flat buffer per (device, dtype), in
+        the same order on every rank (owners and parameters are the same everywhere)."""
         for rank in range(self.world):
             shard = self.shard(rank)
             for kind in dict.fromkeys((p.device, p.dtype) for p in shard):
                 params = [p for p in shard if (p.device, p.dtype) == kind]
+                sizes = [p.numel() for p in params]
                 if rank == self.rank:
                     flat = torch.cat([p.detach().reshape(-1) for p in params])
                 else:
-                    flat = torch.empty(sum(p.numel() for p in params), device=kind[0],
-                                       dtype=kind[1])
+                    flat = torch.empty(sum(sizes), device=kind[0], dtype=kind[1])
                 dist.broadcast(flat, src=rank)
                 if rank != self.rank:
-                    offset = 0
-                    for p in params:
-                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                        offset += p.numel()
+                    for p, piece in zip(params, flat.split(sizes)):
+                        p.copy_(piece.view_as(p))
 
 
 class GradientSharding(HelperThread):
-    """State of reduce_scatter_hook (ZeRO-2): who owns which parameter (the ShardedOptimizer),
-    a helper thread that waits for gloo's reduce_scatter (it returns no future to wait on;
-    the collective itself is issued by the hook, so every rank issues its collectives in the
-    same order, as a DDP's other collectives), and what makes accumulation right when a rank
-    keeps only its own averaged gradients.
-
-    When backward ends, the gradients of parameters other ranks own are dropped (under
-    ScratchDDP; torch's DDP writes them after that, so there they go before the step): between
-    steps a rank holds only its shard's. Until backward ends every gradient exists in full, as
-    with DDP: a hook returns the whole bucket's buffer, which the DDP writes into every
-    gradient (torch's hook_with_zero_step has the same contract). A second synchronised
-    backward before the step must add to the average a rank holds, not average it again with
-    the others' missing share: so the first gradient of each backward sets aside the averages
-    the last synchronised backward left, and the reduce-scatter adds them back. Under no_sync
-    every rank accumulates its full local gradients, as with DDP; the step must follow a
-    synchronised backward (else it raises).
-    """
+    """State of reduce_scatter_hook (ZeRO-2): the ShardedOptimizer (who owns what), a helper
+    thread that waits for gloo's reduce_scatter, and what keeps accumulation right when a
+    rank keeps only its own averaged gradients. The module's docstring says the rest."""
 
     def __init__(self, optimizer: ShardedOptimizer) -> None:
         if not isinstance(optimizer, ShardedOptimizer):
@@ -283,16 +283,11 @@ class GradientSharding(HelperThread):
 
 def reduce_scatter_hook(state: GradientSharding,
                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """ZeRO-2's communication hook: the bucket's gradients laid out owner by owner, and
-    dist.reduce_scatter sends each rank the average of its own piece only: (w-1)/w of the
-    bucket per rank on a ring, half an allreduce's volume (gloo's reduce_scatter is not built
-    that way and, on the CPU, is not faster than its allreduce). The future's buffer holds
-    this rank's averages, zeros elsewhere; the other ranks' gradients are dropped when
-    backward ends."""
+    """ZeRO-2's communication hook: dist.reduce_scatter leaves each rank the average of its
+    own piece of the bucket; the future's buffer holds those averages, zeros elsewhere."""
     opt = state.optimizer
     state._queue_drop()
-    buffer = bucket.buffer()
-    params = bucket.parameters()
+    buffer, params = bucket.buffer(), bucket.parameters()
     slices = buffer.split([p.numel() for p in params])
     owners = [opt.owner(p) for p in params]
     pieces = [torch.cat([g for g, o in zip(slices, owners) if o == r] or [buffer[:0]])

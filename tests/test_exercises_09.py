@@ -4,8 +4,12 @@ import pytest
 import torch
 
 from dpcourse.exercises.ch09 import (activation_crossover, check_activation_crossover,
-                                     check_largest_models, check_owners, check_traffic,
+                                     check_flat_shards, check_largest_models, check_owners,
+                                     check_traffic, flat_loads, flat_shards_reference,
                                      largest_model, lenet_activation_bytes, traffic_reference)
+from dpcourse.exercises.ch09 import check_reduce_scatter_hook, check_share_parameters, check_step
+from dpcourse.exercises.yours import on_ranks
+from dpcourse.lenet import lenet_model
 from dpcourse.ring import ring_allreduce
 
 GB = 10**9
@@ -16,7 +20,7 @@ def said(capsys) -> str:
 
 
 @pytest.mark.parametrize("check", [check_largest_models, check_owners, check_traffic,
-                                   check_activation_crossover])
+                                   check_activation_crossover, check_flat_shards])
 def test_no_answer_is_not_answered_yet(capsys, check):
     check(None)
     assert said(capsys) == "not answered yet\n"
@@ -162,3 +166,88 @@ def test_activation_crossover_explains_off_by_one_fractions_and_guesses(capsys, 
     check_activation_crossover(wrong)
     out = said(capsys)
     assert out.startswith("not quite") and reason in out, out
+
+
+# --- exercise 5: shard by numbers, not by whole parameters -----------------------------------
+
+def flat_shards(numels, world, size=None, keep_empty=False, from_zero=False):
+    """Exercise 5 written number by number; the keywords make the typical mistakes."""
+    size = size or -(-sum(numels) // world)
+    shards = [[] for _ in range(world)]
+    flat = [(i, j) for i, n in enumerate(numels) for j in range(n)]  # (parameter, index)
+    for rank in range(world):
+        mine = flat[rank * size:(rank + 1) * size]
+        for i in range(len(numels)):
+            inside = [j for p, j in mine if p == i]
+            if inside or keep_empty:
+                start = inside[0] if inside else 0
+                stop = inside[-1] + 1 if inside else 0
+                offset = sum(numels[:i]) if from_zero else 0
+                shards[rank].append((i, start + offset, stop + offset))
+    return shards
+
+
+def test_flat_shards_reference_covers_every_number_once_in_equal_runs():
+    lenet = [p.numel() for p in lenet_model().parameters()]
+    for world in (1, 2, 3, 4, 5, 7):
+        shards = flat_shards_reference(lenet, world)
+        assert shards == flat_shards(lenet, world)
+        assert sum(flat_loads(shards)) == sum(lenet)
+        assert max(flat_loads(shards)) == -(-sum(lenet) // world)
+    assert flat_loads(flat_shards_reference(lenet, 4)) == [32267] * 4
+
+
+def test_flat_shards_accepts_a_solution_written_independently(capsys):
+    check_flat_shards(flat_shards)
+    out = said(capsys)
+    assert out.startswith("correct") and "1.000 x" in out and "1.587 x" in out, out
+
+
+@pytest.mark.parametrize("wrong, reason", [
+    (lambda numels, world: flat_shards(numels, world, size=max(1, sum(numels) // world)),
+     "cover"),
+    (lambda numels, world: flat_shards(numels, world, keep_empty=True), "empty pieces"),
+    (lambda numels, world: flat_shards(numels, world, from_zero=True), "count from the start"),
+    (lambda numels, world: [0] * len(numels), "one list of pieces per rank"),
+    (lambda numels, world: [[i for i, _, _ in s] for s in flat_shards(numels, world)], "triples"),
+])
+def test_flat_shards_explains_floor_empty_pieces_offsets_and_shapes(capsys, wrong, reason):
+    check_flat_shards(wrong)
+    out = said(capsys)
+    assert out.startswith("not quite") and reason in out, out
+
+
+# --- the parts a student writes (run on 2 ranks) -----------------------------------------------
+
+def test_the_rank_checks_pass_the_packages_code(tmp_path):
+    path = tmp_path / "package.py"
+    path.write_text("from dpcourse.zero import ShardedOptimizer, reduce_scatter_hook\n")
+    for check, name in ((check_share_parameters, "ShardedOptimizer"),
+                        (check_step, "ShardedOptimizer"),
+                        (check_reduce_scatter_hook, "reduce_scatter_hook")):
+        lines = on_ranks(check, path, name)
+        assert lines[0] == lines[1] and " is right: on 2 ranks" in lines[0], lines
+
+
+STEP_WITHOUT_SHARING = """
+import torch
+from dpcourse.zero import ShardedOptimizer
+
+
+class ShardedOptimizer(ShardedOptimizer):
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.optim.step()
+"""
+
+
+def test_the_step_check_says_what_is_missing(tmp_path):
+    path = tmp_path / "step.py"
+    path.write_text(STEP_WITHOUT_SHARING)
+    with pytest.raises(AssertionError, match="closure"):
+        on_ranks(check_step, path, "ShardedOptimizer")
+    fixed = ("with torch.enable_grad():\n            closure()\n"
+             "        self.optim.step()\n        return 1.5")
+    path.write_text(STEP_WITHOUT_SHARING.replace("self.optim.step()", fixed))
+    with pytest.raises(AssertionError, match=r"call self\._share_parameters\(\)"):
+        on_ranks(check_step, path, "ShardedOptimizer")

@@ -1,12 +1,20 @@
 """Checkers for chapter 09's exercises (ZeRO: where the memory goes, sharding it)."""
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
 from ..data import synthetic_fashion
+from ..data_parallel import max_relative_difference
+from ..ddp import ScratchDDP
 from ..lenet import lenet_model
 from ..memory import STAGES, bytes_per_rank
-from ..zero import partition
+from ..zero import GradientSharding, ShardedOptimizer, partition
 from ..experiments.zero_demos import activation_bytes
 from . import answered, is_int, is_number
 
@@ -202,3 +210,221 @@ def check_activation_crossover(answer: int | None) -> None:
         print(f"not quite: {answer}: divide LeNet's {lenet_states():,} bytes of model states by "
               "its activation bytes per image (section 1); the first whole number of images "
               "above that")
+
+
+# --- the parts you write: checked on the ranks (on_ranks), each check returns one line ------
+
+SHAPES = [(6, 5), (5,), (20,), (3, 2), (4,)]  # a few parameters of uneven sizes
+
+
+def _device() -> torch.device:
+    """Where this rank's tensors go: its GPU under nccl, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _same_everywhere(seed: int, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
+    """Tensors of SHAPES drawn from seed (on the CPU): the same on every rank, on its device."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen, dtype=dtype).to(_device()) for shape in SHAPES]
+
+
+def check_share_parameters(cls: type) -> str:
+    """On each rank: your ShardedOptimizer._share_parameters gives every rank the values each
+    owner holds for its shard (float32 and float64 parameters), in one broadcast per owner
+    and dtype, and leaves the rank's own shard as it is."""
+    rank = dist.get_rank()
+    params = [nn.Parameter(t.to(torch.float32 if i % 2 else torch.float64))
+              for i, t in enumerate(_same_everywhere(0))]
+    opt = cls(params, torch.optim.SGD, lr=0.1)
+    stepped = [p.detach() * 2 + 1 for p in params]  # what the owners' step left
+    kinds = {(opt.owner(p), p.dtype) for p in params}
+    with torch.no_grad():
+        for p, new in zip(params, stepped):
+            if opt.owner(p) == rank:
+                p.copy_(new)
+    calls, broadcast = [], dist.broadcast
+    dist.broadcast = lambda *a, **k: calls.append(1) or broadcast(*a, **k)
+    try:
+        with torch.no_grad():  # as in step
+            opt._share_parameters()
+    finally:
+        dist.broadcast = broadcast
+    for i, (p, new) in enumerate(zip(params, stepped)):
+        owner = opt.owner(p)
+        assert p.dtype == new.dtype, f"parameter {i} changed dtype: copy into it, same dtype"
+        assert torch.equal(p.detach(), new), (
+            f"parameter {i} (owned by rank {owner}) does not hold rank {owner}'s values after "
+            "_share_parameters: every rank in turn broadcasts its shard (src=that rank) and "
+            "the others copy it into their parameters")
+    assert len(calls) <= len(kinds), (
+        f"{len(calls)} broadcasts for {len(kinds)} (owner, dtype) pairs: send each owner's "
+        "shard as one flat buffer per dtype (torch.cat of the flattened parameters)")
+    return (f"_share_parameters is right: on {dist.get_world_size()} ranks every parameter "
+                "holds its owner's values, one broadcast per owner and dtype")
+
+
+def check_step(cls: type) -> str:
+    """On each rank: your ShardedOptimizer.step over AdamW equals plain AdamW over all the
+    parameters for 3 steps (float64, 1e-12), a change of lr included; the closure is called
+    with gradients enabled and its loss returned; this rank keeps state for its shard only."""
+    rank = dist.get_rank()
+    params = [nn.Parameter(t) for t in _same_everywhere(0)]
+    reference = [nn.Parameter(t) for t in _same_everywhere(0)]
+    opt = cls(params, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        for p, r, g in zip(params, reference, _same_everywhere(step + 1)):
+            p.grad, r.grad = g.clone(), g.clone()
+        if step == 2:  # as a scheduler does: the new lr is set in param_groups
+            for group in (*opt.param_groups, *plain.param_groups):
+                group["lr"] = 5e-2
+        seen: list[bool] = []
+        loss = opt.step(lambda: seen.append(torch.is_grad_enabled()) or 1.5)
+        plain.step()
+        assert len(seen) == 1 and loss == 1.5, (
+            f"step(closure) called the closure {len(seen)} times and returned {loss!r}: call "
+            "it once and return its loss")
+        assert seen == [True], ("the closure ran without gradients: call it under "
+                                "torch.enable_grad() (step itself runs under torch.no_grad())")
+        for i, (p, r) in enumerate(zip(params, reference)):
+            if max_relative_difference(p.detach(), r.detach()) <= 1e-12:
+                continue
+            assert step == 2 or opt.owner(p) == rank, (
+                f"after step {step + 1}, parameter {i} (owned by rank {opt.owner(p)}) differs "
+                "from plain AdamW's: after stepping your shard, call self._share_parameters()")
+            assert step == 2, (f"after step {step + 1}, parameter {i}, which this rank owns, "
+                               "differs from plain AdamW's: step it with self.optim.step()")
+            raise AssertionError(
+                f"after lr changed in param_groups, parameter {i} differs from plain AdamW's: "
+                "copy each group's hyperparameters (all but 'params') into the matching group "
+                "of self.optim.param_groups before self.optim.step()")
+    assert len(opt.optim.state) == len(opt.shard()), (
+        "this rank's optimizer holds state for parameters it does not own: step self.optim "
+        "(built over your shard), not another optimizer over all the parameters")
+    return (f"step is right: on {dist.get_world_size()} ranks, 3 AdamW steps equal plain "
+                "AdamW's within 1e-12 (a change of lr included), state for the own shard only")
+
+
+def check_reduce_scatter_hook(hook: Callable) -> str:
+    """On each rank: ScratchDDP with your hook leaves this rank the average over the ranks of
+    the gradients of the parameters it owns (against one process on the whole batch, 1e-12),
+    and no gradient of the others; a second backward before the step adds to them. With one
+    bucket for the whole model and with one bucket per parameter."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(4 * world, 6, generator=gen, dtype=torch.float64).to(_device())
+    y = (torch.arange(4 * world) % 3).to(_device())
+    for cap in (25.0, 0.0):
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double().to(X.device)
+        ddp = ScratchDDP(model, bucket_cap_mb=cap)  # rank 0's parameters everywhere
+        whole = copy.deepcopy(model)
+        F.cross_entropy(whole(X), y).backward()
+        opt = ShardedOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.1)
+        with GradientSharding(opt) as state:
+            ddp.register_comm_hook(state, hook)
+            for passes in (1, 2):
+                calls, reduce_scatter = [], dist.reduce_scatter
+                dist.reduce_scatter = lambda *a, **k: calls.append(1) or reduce_scatter(*a, **k)
+                try:
+                    F.cross_entropy(ddp(X.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+                finally:
+                    dist.reduce_scatter = reduce_scatter
+                assert len(calls) == len(ddp.buckets), (
+                    f"{len(calls)} calls of dist.reduce_scatter for {len(ddp.buckets)} buckets: "
+                    "reduce-scatter each bucket once (no allreduce)")
+                for i, (p, r) in enumerate(zip(model.parameters(), whole.parameters())):
+                    if opt.owner(p) != rank:
+                        assert p.grad is None, (
+                            f"rank {rank} still holds the gradient of parameter {i}, owned by "
+                            f"rank {opt.owner(p)}: call state._queue_drop() first")
+                        continue
+                    want = passes * r.grad
+                    if max_relative_difference(p.grad, want) <= 1e-12:
+                        continue
+                    assert max_relative_difference(p.grad, world * want) > 1e-12, (
+                        "your gradients are the sums over the ranks: divide each rank's piece "
+                        "by the number of ranks")
+                    assert passes == 1 and max_relative_difference(p.grad, r.grad) > 1e-12, (
+                        "a second backward before the step lost the first one's averages: "
+                        "hand _own_averages state.set_aside.pop(p, None) with each own slice")
+                    raise AssertionError(
+                        f"parameter {i}'s gradient on its owner, rank {rank}, is not the "
+                        "average over the ranks: lay out the slices owner by owner and "
+                        "reduce-scatter them (dist.reduce_scatter(mine, pieces))")
+    return (f"reduce_scatter_hook is right: on {world} ranks each keeps the average of its "
+                "own gradients only, also over two backward passes")
+
+
+# --- exercise 5: shard by numbers, not by whole parameters -----------------------------------
+
+Piece = tuple[int, int, int]  # (parameter index, start, stop) within that parameter
+
+
+def flat_shards_reference(numels: list[int], world: int) -> list[list[Piece]]:
+    """The parameters laid end to end, cut into world runs of ceil(N / world) numbers (the
+    last ones shorter or empty): each rank's pieces, in order, empty pieces left out."""
+    size = -(-sum(numels) // world)
+    shards: list[list[Piece]] = [[] for _ in range(world)]
+    offset = 0
+    for i, n in enumerate(numels):
+        start = offset
+        while start < offset + n:
+            rank = start // size
+            stop = min(offset + n, (rank + 1) * size)
+            shards[rank].append((i, start - offset, stop - offset))
+            start = stop
+        offset += n
+    return shards
+
+
+def flat_loads(shards: list[list[Piece]]) -> list[int]:
+    """The numbers each rank owns."""
+    return [sum(stop - start for _, start, stop in shard) for shard in shards]
+
+
+def _flat_hint(got: object, numels: list[int], world: int) -> str:
+    """Why a flat sharding differs from the reference."""
+    if not isinstance(got, (list, tuple)) or len(got) != world:
+        return f"return one list of pieces per rank: {world} lists"
+    if any(not isinstance(s, (list, tuple)) or any(
+            not isinstance(x, (list, tuple)) or len(x) != 3 for x in s) for s in got):
+        return "each rank's list holds (parameter index, start, stop) triples"
+    pieces = [tuple(x) for s in got for x in s]
+    if any(start == stop for _, start, stop in pieces):
+        return "leave out empty pieces (start == stop)"
+    covered = sum(stop - start for _, start, stop in pieces)
+    if covered != sum(numels):
+        return (f"the pieces cover {covered} of the {sum(numels)} numbers: with runs of "
+                "ceil(N / world) numbers every number has exactly one owner")
+    return ("rank r owns the numbers r*s to (r+1)*s - 1 of the flat vector, s = ceil(N / "
+            "world); a piece's start and stop count from the start of its parameter")
+
+
+def check_flat_shards(flat_shards: Callable[[list[int], int], list] | None) -> None:
+    """Exercise 5: each rank's pieces when the flat parameters are cut into equal runs."""
+    if not answered(flat_shards):
+        return
+    cases = owner_cases() + [([5, 0, 3], 2), ([0, 0], 2), ([10], 3), ([2, 2], 8)]
+    for numels, world in cases:
+        got, want = flat_shards(list(numels), world), flat_shards_reference(numels, world)
+        if not (_is_nested(got) and [[tuple(x) for x in s] for s in got] == want):
+            print(f"not quite: flat_shards({numels}, {world}) returns {got}, want {want}: "
+                  f"{_flat_hint(got, numels, world)}")
+            return
+    lenet = owner_cases()[1][0]
+    shares = []
+    for world in (2, 4):
+        flat, whole = flat_loads(flat_shards_reference(lenet, world)), [
+            sum(n for n, o in zip(lenet, partition(lenet, world)) if o == r) for r in range(world)]
+        shares.append(f"{world} ranks: largest share {max(flat) * world / sum(lenet):.3f} x the "
+                      f"even one, by whole parameters {max(whole) * world / sum(lenet):.3f} x")
+    print("correct: every number has one owner; LeNet, " + "; ".join(shares))
+
+
+def _is_nested(got: object) -> bool:
+    """Whether got is a list of lists of triples (so it can be compared)."""
+    return isinstance(got, (list, tuple)) and all(
+        isinstance(s, (list, tuple)) and all(isinstance(x, (list, tuple)) for x in s)
+        for s in got)

@@ -31,12 +31,13 @@ def load(path: str | Path, name: str) -> Any:
 
 def on_ranks(check: Callable[..., Any], path: str | Path, name: str, *args: Any,
              world_size: int = 2, timeout: float = 60.0) -> list:
-    """Run ``check(yours, *args)`` on `world_size` ranks, `yours` being `name` from the file at
-    `path`; return the values in rank order. A rank's NotImplementedError or AssertionError is
+    """Run ``check(yours, *args)`` on `world_size` ranks (gloo on the CPU on every machine, so
+    a check prints the same everywhere), `yours` being `name` from the file at `path`; return
+    the values in rank order. A rank's NotImplementedError or AssertionError is
     raised here as the same type, with the rank's one-line message."""
     try:
         return launch(_run_check, check, str(Path(path).resolve()), name, *args,
-                      world_size=world_size, timeout=timeout)
+                      world_size=world_size, backend="gloo", timeout=timeout)
     except RankError as error:
         kinds = {"NotImplementedError": NotImplementedError, "AssertionError": AssertionError}
         if error.error_type in kinds:

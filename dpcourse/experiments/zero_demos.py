@@ -98,27 +98,29 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def plain_adamw(batches: Batches, lr: float, weight_decay: float) -> list[list[torch.Tensor]]:
+    """LeNet (seed 0, in the batches' dtype) trained with plain AdamW in one process on the
+    whole batches: its parameters after each step."""
+    model = lenet_model(seed=0).to(batches[0][0].dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    after = []
+    for X, y in batches:
+        train_step(model, opt, X, y)
+        after.append([p.detach().clone() for p in model.parameters()])
+    return after
+
+
 def fsdp_against_adamw(batches: Batches, lr: float, weight_decay: float) -> dict[str, Any]:
-    """LeNet under torch's fully_shard (ZeRO-3), AdamW, against plain AdamW in one process on
-    the whole batches: the largest relative difference after each step, each parameter's
-    local shape, and the numbers this rank holds (parameters, gradients, state)."""
+    """LeNet under torch's fully_shard (ZeRO-3), AdamW, against plain_adamw: the largest
+    relative difference after each step, each parameter's local shape, and the numbers this
+    rank holds (parameters, gradients, state)."""
     from torch.distributed.device_mesh import init_device_mesh  # FSDP: imported when used
     from torch.distributed.fsdp import fully_shard
 
-    dtype = batches[0][0].dtype
-    model = lenet_model(seed=0).to(dtype)  # the same start on every rank: no broadcast here
-    cpu = init_device_mesh("cpu", (dist.get_world_size(),))  # else a GPU host moves it there
-    fully_shard(model, mesh=cpu)  # each parameter cut along dim 0, one piece per rank
+    model = lenet_model(seed=0).to(batches[0][0].dtype)  # the same on every rank: no broadcast
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))  # not a GPU
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    reference = lenet_model(seed=0).to(dtype)
-    plain = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=weight_decay)
-    sharded = train_on_shards(model, opt, batches)
-    whole = []
-    for X, y in batches:
-        plain.zero_grad()
-        F.cross_entropy(reference(X), y).backward()
-        plain.step()
-        whole.append([p.detach().clone() for p in reference.parameters()])
+    sharded, whole = train_on_shards(model, opt, batches), plain_adamw(batches, lr, weight_decay)
     params = list(model.parameters())
     return {"differences": [max_relative_difference(a, b) for a, b in zip(sharded, whole)],
             "local shapes": [tuple(local(p).shape) for p in params],

@@ -5,8 +5,9 @@ with ``launch``; the ``*_on_rank`` functions are what every rank runs.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -97,10 +98,40 @@ def measure_stages(world_size: int = 2, model: str = "lenet",
     return out
 
 
+RING_HALVES = {"all_reduce": 2, "reduce_scatter": 1, "broadcast": 1}  # x (k-1)/k of the bytes
+
+
+@contextmanager
+def ring_bytes() -> Iterator[dict[str, float]]:
+    """While inside, {collective: bytes} this rank sends in dist.all_reduce,
+    dist.reduce_scatter and dist.broadcast, counted from the tensors handed to them with the
+    ring's law (chapter 03): (k-1)/k of them per reduce-scatter or broadcast (the owners'
+    broadcasts together being an all-gather), twice that per allreduce."""
+    share = (dist.get_world_size() - 1) / dist.get_world_size()
+    sent = dict.fromkeys(RING_HALVES, 0.0)
+    originals = {name: getattr(dist, name) for name in RING_HALVES}
+
+    def counting(name: str) -> Any:
+        def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            handed = args[0] if name == "reduce_scatter" else [tensor]  # (output, inputs)
+            sent[name] += RING_HALVES[name] * share * sum(t.nbytes for t in handed)
+            return originals[name](tensor, *args, **kwargs)
+        return call
+
+    try:
+        for name in RING_HALVES:
+            setattr(dist, name, counting(name))
+        yield sent
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
 def compare_on_rank(steps: int, batch_size: int, repeats: int) -> dict[str, dict[str, Any]]:
     """LeNet with AdamW under each measured stage, the stages alternated in repeats rounds of
-    steps steps after a warm-up: median seconds per step (slowest rank) and this rank's
-    bytes of gradients and optimizer state after the last step."""
+    steps steps after a warm-up: median seconds per step (slowest rank), this rank's bytes
+    of gradients and optimizer state after the last step, and the bytes it sends in one
+    more step (ring_bytes)."""
     X, y = model_batch("lenet", batch_size, seed=dist.get_rank())
     built = {stage: staged(stage, "lenet") for stage in MEASURED_STAGES}
 
@@ -112,7 +143,11 @@ def compare_on_rank(steps: int, batch_size: int, repeats: int) -> dict[str, dict
             step(stage)
     median = median_seconds(alternate({s: repeat(partial(step, s), steps)
                                        for s in MEASURED_STAGES}, repeats, warmup=0))
-    return {stage: {"seconds_per_step": median[stage] / steps,
+    sent = {}
+    for stage in MEASURED_STAGES:
+        with ring_bytes() as sent[stage]:
+            step(stage)
+    return {stage: {"seconds_per_step": median[stage] / steps, "bytes_sent": sent[stage],
                     **measured_bytes(built[stage][0].module, built[stage][1])}
             for stage in MEASURED_STAGES}
 
@@ -122,10 +157,12 @@ def compare_zero(world_size: int = 2, steps: int = 10, batch_size: int = 64, rep
     """LeNet training with AdamW under "ddp" (ScratchDDP), "zero1" (+ ShardedOptimizer) and
     "zero2" (+ reduce_scatter_hook), alternated in one launch of world_size processes of
     batch_size images each: {stage: {"seconds_per_step": median of the slowest rank,
-    "optimizer_state_bytes": [each rank's], "gradient_bytes": [each rank's]}}."""
+    "optimizer_state_bytes": [each rank's], "gradient_bytes": [each rank's], "bytes_sent":
+    [each rank's {collective: bytes sent in one step}]}}."""
     ranks = launch(compare_on_rank, steps, batch_size, repeats, world_size=world_size,
                    backend="gloo", timeout=timeout)
     return {stage: {"seconds_per_step": ranks[0][stage]["seconds_per_step"],
                     "optimizer_state_bytes": [r[stage]["optimizer_state"] for r in ranks],
-                    "gradient_bytes": [r[stage]["gradients"] for r in ranks]}
+                    "gradient_bytes": [r[stage]["gradients"] for r in ranks],
+                    "bytes_sent": [r[stage]["bytes_sent"] for r in ranks]}
             for stage in MEASURED_STAGES}
