@@ -63,6 +63,23 @@ def evaluate_module(model: nn.Module, data_iter, device: torch.device) -> float:
     return correct / total
 
 
+def train_module_epoch(model: nn.Module, train_iter, optimizer: torch.optim.Optimizer,
+                       device: torch.device, bar: tqdm) -> torch.Tensor:
+    """One epoch of SGD steps on model (wrapped or not), each batch moved to device (the first
+    device: a wrapper scatters from there). Returns the summed loss, a tensor on device."""
+    model.train()
+    total = torch.zeros((), device=device)
+    for X, y in train_iter:
+        X, y = X.to(device), y.to(device)
+        loss = nn.functional.cross_entropy(model(X), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        total += loss.detach() * y.numel()
+        bar.update()
+    return total
+
+
 def train_module(model: nn.Module, devs: list[torch.device], settings: ResNetSettings,
                  seed: int = 0, progress: bool = True) -> TrainResult:
     """Train model (already wrapped for devs) with batch and lr scaled by the device count."""
@@ -75,23 +92,13 @@ def train_module(model: nn.Module, devs: list[torch.device], settings: ResNetSet
     X, y = next(iter(test_iter))  # the ordered test loader: the training order is unchanged
     warm_up(model, X.to(devs[0]), y.to(devs[0]))
     timer = Timer(devs)
-    bar = tqdm(total=settings.num_epochs * len(train_iter), desc=f"{k} device(s)",
-               disable=not progress)
-    for _ in range(settings.num_epochs):
-        model.train()
-        total = torch.zeros((), device=devs[0])
-        with timer:
-            for X, y in train_iter:
-                X, y = X.to(devs[0]), y.to(devs[0])  # the wrapper scatters from the first device
-                loss = nn.functional.cross_entropy(model(X), y)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                total += loss.detach() * y.numel()
-                bar.update()
-        result.epoch_seconds.append(timer.times[-1])
-        result.train_loss.append(float(total) / len(train_iter.dataset))
-        result.test_acc.append(evaluate_module(model, test_iter, devs[0]))
-        bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", acc=f"{result.test_acc[-1]:.3f}")
-    bar.close()
+    with tqdm(total=settings.num_epochs * len(train_iter), desc=f"{k} device(s)",
+              disable=not progress) as bar:
+        for _ in range(settings.num_epochs):
+            with timer:
+                total = train_module_epoch(model, train_iter, optimizer, devs[0], bar)
+            result.epoch_seconds.append(timer.times[-1])
+            result.train_loss.append(float(total) / len(train_iter.dataset))
+            result.test_acc.append(evaluate_module(model, test_iter, devs[0]))
+            bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", acc=f"{result.test_acc[-1]:.3f}")
     return result

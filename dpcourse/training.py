@@ -122,7 +122,7 @@ class Settings:
     batch_size: int = 256
     lr: float = 0.2
     num_epochs: int = 10
-    init_scale: float = 0.01  # the textbook's; LeNet then needs a few hundred steps to start
+    init_scale: float = 0.01  # the textbook's; LeNet then leaves its plateau later (chapter 02)
     train_size: int | None = None  # None: the whole split
     test_size: int | None = None
 
@@ -157,38 +157,59 @@ class TrainResult:
                 f"{self.seconds_per_epoch:.2f} s/epoch on {', '.join(self.devices)}")
 
 
+def train_epoch(train_iter, device_params: list[list[torch.Tensor]], devs: list[torch.device],
+                lr: Callable[[int], float], first_step: int,
+                allreduce: Callable[[list[torch.Tensor]], Any], bar: tqdm
+                ) -> list[tuple[torch.Tensor, int]]:
+    """One epoch of train_batch steps at rate lr(step), counting steps from first_step.
+    Returns (summed loss, batch size) of every step; the losses stay tensors on the device,
+    so reading them does not wait for the devices inside the timed epoch."""
+    losses = []
+    for X, y in train_iter:
+        step_lr = lr(first_step + len(losses))
+        losses.append((train_batch(X, y, device_params, devs, step_lr, allreduce), len(y)))
+        bar.update()
+    return losses
+
+
+def record_epoch(result: TrainResult, seconds: float, losses: list[tuple[torch.Tensor, int]],
+                 test_acc: float, bar: tqdm) -> None:
+    """Add one epoch's time, mean training loss, step losses and test accuracy to result, and
+    show the loss and accuracy on the progress bar."""
+    result.epoch_seconds.append(seconds)
+    result.train_loss.append(sum(float(l) for l, _ in losses) / sum(n for _, n in losses))
+    result.step_loss += [float(l) / n for l, n in losses]
+    result.test_acc.append(test_acc)
+    bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", acc=f"{test_acc:.3f}")
+
+
+def settings_for(devs: list[torch.device], **given: Any) -> Settings:
+    """Settings.for_devices(devs), with every given value that is not None put in its place."""
+    return replace(Settings.for_devices(devs), **{k: v for k, v in given.items() if v is not None})
+
+
 def train(num_devices: int | None = None, batch_size: int | None = None,
           lr: float | None = None, num_epochs: int | None = None, *,
           devs: list[torch.device] | None = None, train_size: int | None = None,
           test_size: int | None = None, seed: int = 0, source: str | None = None,
           allreduce: Callable[[list[torch.Tensor]], Any] = allreduce,
           lr_schedule: Callable[[int], float] | None = None, progress: bool = True) -> TrainResult:
-    """Train LeNet with train_batch on num_devices devices (or devs); unset settings come from
-    Settings.for_devices. lr_schedule(step), if given, replaces the constant learning rate."""
+    """Train LeNet on num_devices devices (or devs); lr_schedule(step), if given, replaces lr."""
     devs = devs or devices(num_devices)
-    given = dict(batch_size=batch_size, lr=lr, num_epochs=num_epochs, train_size=train_size,
-                 test_size=test_size)
-    s = replace(Settings.for_devices(devs), **{k: v for k, v in given.items() if v is not None})
+    s = settings_for(devs, batch_size=batch_size, lr=lr, num_epochs=num_epochs,
+                     train_size=train_size, test_size=test_size)
     train_iter, test_iter = load_fashion_mnist(s.batch_size, s.train_size, s.test_size,
                                                source, seed)
-    params = init_lenet_params(seed, s.init_scale)
-    device_params = [get_params(params, d) for d in devs]
-    result = TrainResult([str(d) for d in devs], s, train_iter.dataset.source)
-    timer = Timer(devs)
-    bar = tqdm(total=s.num_epochs * len(train_iter), desc=f"{len(devs)} device(s)",
-               disable=not progress)
-    for _ in range(s.num_epochs):
-        losses = []  # (summed loss, batch size) of every step of the epoch
-        with timer:
-            for X, y in train_iter:
-                step_lr = lr_schedule(len(result.step_loss) + len(losses)) if lr_schedule else s.lr
-                losses.append((train_batch(X, y, device_params, devs, step_lr, allreduce), len(y)))
-                bar.update()
-        result.epoch_seconds.append(timer.times[-1])
-        result.train_loss.append(sum(float(l) for l, _ in losses) / len(train_iter.dataset))
-        result.step_loss += [float(l) / n for l, n in losses]
-        result.test_acc.append(evaluate_accuracy(test_iter, device_params, devs))
-        bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", acc=f"{result.test_acc[-1]:.3f}")
-    bar.close()
+    device_params = [get_params(init_lenet_params(seed, s.init_scale), d) for d in devs]
+    result, timer = TrainResult([str(d) for d in devs], s, train_iter.dataset.source), Timer(devs)
+    with tqdm(total=s.num_epochs * len(train_iter), desc=f"{len(devs)} device(s)",
+              disable=not progress) as bar:
+        for _ in range(s.num_epochs):
+            with timer:
+                losses = train_epoch(train_iter, device_params, devs,
+                                     lr_schedule or (lambda _: s.lr), len(result.step_loss),
+                                     allreduce, bar)
+            record_epoch(result, timer.times[-1], losses,
+                         evaluate_accuracy(test_iter, device_params, devs), bar)
     result.replica_spread = largest_difference(device_params, device_params[:1])
     return result

@@ -1,9 +1,12 @@
 """The checkers of chapter 05 say "correct" to right answers and reject known wrong ones."""
 import pytest
 
-from dpcourse import Settings, devices, load_fashion_mnist
+import torch
+
+from dpcourse import Settings, allreduce, devices, lenet, load_fashion_mnist, loss, sgd, split_batch
 from dpcourse.exercises.ch05 import (check_cpu_example_weight, check_lr_for_k, check_steps,
-                                     check_warmup)
+                                     check_train_batch, check_train_batch_wd, check_warmup)
+from dpcourse.training import train_batch
 
 
 def verdict(capsys) -> str:
@@ -52,12 +55,54 @@ def test_lr_for_k_says_how_far_a_constant_rate_moves(capsys):
 
 
 def test_warmup_accepts_the_linear_ramp_and_rejects_others(capsys):
-    check_warmup(lambda step: 0.025 + 0.075 * min(step, 32) / 32)
+    check_warmup(lambda step, lr, steps: lr / 4 + 0.75 * lr * min(step, steps) / steps)
     assert verdict(capsys) == "correct"
-    check_warmup(lambda step: 0.025 + 0.075 * min(step, 8) / 8)  # the old 8-step ramp
-    assert "at step 1 you give 0.034375" in capsys.readouterr().out
-    check_warmup(lambda step: 0.1 * min(step, 32) / 32)  # starts at 0
+    check_warmup(lambda step, lr, steps: 0.025 + 0.075 * min(step, 32) / 32)  # the CPU's only
+    assert "with lr 0.2 and a warm-up of 470 steps, at step 0" in capsys.readouterr().out
+    check_warmup(lambda step, lr, steps: lr * min(step, steps) / steps)  # starts at 0
     assert "at step 0" in capsys.readouterr().out
+
+
+def decayed_step(X, y, device_params, devs, lr, wd, before=False):
+    """train_batch with weight decay: added once after the allreduce, or (wrong) on every
+    device before it."""
+    X_shards, y_shards = split_batch(X, y, devs)
+    if before:
+        for params in device_params:
+            for p in params:
+                p.grad = wd * len(y) * p.detach()
+    for Xs, ys, params in zip(X_shards, y_shards, device_params):
+        loss(lenet(Xs, params), ys).sum().backward()
+    for params in device_params:
+        for p in params:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+    for grads in zip(*[[p.grad for p in params] for params in device_params]):
+        allreduce(list(grads))
+    for params in device_params:
+        for p in params:
+            p.grad += 0 if before else wd * len(y) * p.detach()
+        sgd(params, lr, len(y))
+
+
+def test_train_batch_wd_accepts_the_decay_once_and_rejects_it_per_device(capsys):
+    check_train_batch_wd(decayed_step)
+    assert verdict(capsys) == "correct"
+    check_train_batch_wd(lambda *a: decayed_step(*a, before=True))
+    assert "counted more than once" in capsys.readouterr().out
+    check_train_batch_wd(lambda X, y, d, devs, lr, wd: train_batch(X, y, d, devs, lr))
+    assert "away from the one-device step" in capsys.readouterr().out
+
+
+def test_train_batch_check_accepts_the_package_and_names_what_is_wrong(capsys):
+    check_train_batch(train_batch)
+    assert capsys.readouterr().out.startswith("train_batch is right")
+    with pytest.raises(AssertionError, match="call the given allreduce"):
+        check_train_batch(lambda X, y, d, devs, lr, allreduce=None: train_batch(X, y, d, devs, lr))
+    with pytest.raises(AssertionError, match="away from the one-device step"):
+        check_train_batch(lambda X, y, d, devs, lr, allreduce=allreduce:
+                          train_batch(X, y, d, devs, 2 * lr, allreduce))
+    with pytest.raises(NotImplementedError):
+        check_train_batch(lambda *a, **k: (_ for _ in ()).throw(NotImplementedError()))
 
 
 def test_cpu_example_weight_is_the_ratio_of_the_shard_sizes(capsys):
@@ -72,6 +117,7 @@ def test_cpu_example_weight_is_the_ratio_of_the_shard_sizes(capsys):
 
 
 def test_unanswered_exercises_say_so(capsys):
-    for check in (check_steps, check_lr_for_k, check_warmup, check_cpu_example_weight):
+    for check in (check_steps, check_lr_for_k, check_warmup, check_cpu_example_weight,
+                  check_train_batch_wd):
         check(None)
         assert capsys.readouterr().out == "not answered yet\n"

@@ -7,8 +7,9 @@ from torch import nn
 
 from dpcourse.concise import ResNetSettings
 from dpcourse.data_parallel import ScratchDataParallel, gather, parallel_apply, replicate
-from dpcourse.exercises.ch06 import (check_bytes_received, check_cached_wrapper,
-                                     check_same_batch_settings, check_shard_sizes)
+from dpcourse.exercises.ch06 import (check_bytes_received, check_cached_wrapper, check_gather,
+                                     check_parallel_apply, check_parallel_loss, check_replicate,
+                                     check_same_batch_settings, check_scatter, check_shard_sizes)
 from dpcourse.resnet import resnet18
 from dpcourse.split import scatter
 
@@ -134,3 +135,45 @@ def test_bytes_received_accepts_the_count_and_names_the_own_shard_mistake(capsys
     assert "gradients only" in said(capsys)
     check_bytes_received(4 * shard_outputs + 4 * replica_grads)
     assert "not from itself" in said(capsys)
+
+
+def test_part_checks_accept_the_package_and_name_what_is_wrong(capsys):
+    for check, right in [(check_scatter, scatter), (check_replicate, replicate),
+                         (check_parallel_apply, parallel_apply), (check_gather, gather)]:
+        check(right)
+        assert said(capsys).startswith(f"{right.__name__} is right")
+    with pytest.raises(AssertionError, match="torch.chunk gives"):
+        check_scatter(lambda t, devs: [s.to(d) for s, d in zip(t.tensor_split(len(devs)), devs)])
+    with pytest.raises(AssertionError, match="flow back to the original"):
+        check_replicate(lambda m, devs: [
+            {n: t.detach().to(d, copy=True) if i else t for n, t in
+             {**dict(m.named_parameters()), **dict(m.named_buffers())}.items()}
+            for i, d in enumerate(devs)])
+    with pytest.raises(AssertionError, match="not the module run with state 0"):
+        check_parallel_apply(lambda m, states, shards: [m(s) for s in shards])
+    with pytest.raises(AssertionError, match="do not flow back"):
+        check_gather(lambda outputs, d: torch.cat([o.detach() for o in outputs]).to(d))
+
+
+def loss_per_device(module, X, y, devs, mean_of_means=False):
+    X_shards, y_shards = scatter(X, devs), scatter(y, devs)
+    outputs = parallel_apply(module, replicate(module, devs[:len(X_shards)]), X_shards)
+    if mean_of_means:
+        means = [nn.functional.cross_entropy(o, t) for o, t in zip(outputs, y_shards)]
+        return sum(means) / len(means)
+    losses = [nn.functional.cross_entropy(o, t, reduction="sum") for o, t in zip(outputs, y_shards)]
+    return sum(loss.to(devs[0]) for loss in losses) / len(y)
+
+
+def test_parallel_loss_accepts_summed_shards_and_rejects_means_gathers_and_detached(capsys):
+    check_parallel_loss(loss_per_device)
+    assert said(capsys).startswith("correct")
+    check_parallel_loss(partial(loss_per_device, mean_of_means=True))
+    assert "each example weighs 1/10" in said(capsys)
+    check_parallel_loss(lambda m, X, y, devs: nn.functional.cross_entropy(
+        ScratchDataParallel(m, devs)(X), y))
+    assert "outputs were gathered" in said(capsys)
+    check_parallel_loss(lambda m, X, y, devs: loss_per_device(m, X, y, devs).detach())
+    assert "gradient is not" in said(capsys)
+    check_parallel_loss(None)
+    assert said(capsys) == "not answered yet\n"

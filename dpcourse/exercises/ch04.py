@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..split import split_batch
-from . import is_int
+from . import answered, is_int
 
 
 def check_shard_sizes(n: int, k: int, answer: list[int] | None) -> None:
@@ -147,3 +147,43 @@ def check_split_batch(split_batch: Callable) -> None:
         raise AssertionError(f"split_batch accepted {what}: raise a ValueError that says so")
     print("split_batch is right: torch.chunk's shards for 1-20 examples on 1-5 devices, "
           "and clear errors for bad input")
+
+
+def _loads(lengths: list[int], sizes: list[int]) -> list[int]:
+    """The total length of each contiguous shard of the given sizes."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [sum(lengths[s:s + n]) for s, n in zip(starts, sizes)]
+
+
+def _best_largest_load(lengths: list[int], k: int) -> int:
+    """The smallest possible largest load of k contiguous shards (dynamic programming)."""
+    n = len(lengths)
+    best = [0] + [float("inf")] * n  # best[i]: the first i examples over the shards so far
+    for _ in range(k):
+        best = [min([best[i]] + [max(best[j], sum(lengths[j:i])) for j in range(i)])
+                for i in range(n + 1)]
+    return int(best[n])
+
+
+def check_token_shards(token_shards: Callable[[list[int], int], list[int]] | None) -> None:
+    """Exercise 6: k contiguous shard sizes that make the largest shard's total length (the
+    busiest device's work) as small as possible."""
+    if not answered(token_shards):
+        return
+    g = torch.Generator().manual_seed(0)
+    cases = [([9, 9, 9, 1, 1, 1, 1, 1], 2), ([5, 1, 1, 1, 1, 1, 1, 5], 3), ([4, 4, 4], 5),
+             ([1] * 10, 3), ([30, 2, 2, 2, 2, 2, 2, 2], 4)]
+    cases += [(torch.randint(1, 50, (int(n),), generator=g).tolist(), k)
+              for n, k in zip(torch.randint(1, 25, (20,), generator=g), [2, 3, 4, 8] * 5)]
+    for lengths, k in cases:
+        sizes = list(token_shards(list(lengths), k))
+        whole = all(is_int(s) and s >= 0 for s in sizes)
+        if len(sizes) != k or not whole or sum(sizes) != len(lengths):
+            return print(f"not quite: token_shards({lengths}, {k}) = {sizes}; give {k} whole "
+                         f"numbers, none negative, summing to {len(lengths)}")
+        got, best = max(_loads(lengths, sizes)), _best_largest_load(lengths, k)
+        if got > best:
+            chunked = max(_loads(lengths, [len(c) for c in torch.arange(len(lengths)).chunk(k)]))
+            return print(f"not quite: token_shards({lengths}, {k}) = {sizes} gives the busiest "
+                         f"device {got}, but {best} is possible (torch.chunk's shards: {chunked})")
+    print("correct: the busiest device gets as little as any contiguous split allows")

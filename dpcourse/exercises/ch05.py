@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from ..collectives import get_params
+from ..collectives import allreduce, get_params
 from ..hardware import devices
 from ..lenet import init_lenet_params, lenet, loss
 from ..training import Settings, sgd, train_batch
@@ -69,14 +69,18 @@ def check_lr_for_k(lr_for: Callable[[int], float] | None) -> None:
           "batch fixed, as in section 2, the rate would not depend on k.)")
 
 
-def check_warmup(fn: Callable[[int], float] | None) -> None:
-    """Exercise 4: fn(step) rises linearly from 0.025 at step 0 to 0.1 at step 32, then stays."""
+def check_warmup(fn: Callable[[int, float, int], float] | None) -> None:
+    """Exercise 4: fn(step, lr, steps) starts at lr / 4 at step 0, rises linearly to lr at step
+    `steps`, then stays at lr; checked for the CPU settings (lr 0.1) and the textbook's (0.2)."""
     if fn is None:
         return print("not answered yet")
-    for step in (0, 1, 8, 16, 31, 32, 33, 100):
-        expected = 0.025 + (0.1 - 0.025) * min(step, 32) / 32
-        if abs(fn(step) - expected) > 1e-9:
-            return print(f"not quite: at step {step} you give {fn(step)}, expected {expected:.4f}")
+    for lr, steps in ((0.1, 32), (0.2, 470), (0.1, 5)):
+        for step in sorted({0, 1, steps // 4, steps // 2, steps - 1, steps, steps + 1, 10 * steps}):
+            expected = lr / 4 + (lr - lr / 4) * min(step, steps) / steps
+            got = fn(step, lr, steps)
+            if abs(got - expected) > 1e-9:
+                return print(f"not quite: with lr {lr} and a warm-up of {steps} steps, at step "
+                             f"{step} you give {got}, expected {expected:.4f}")
     print("correct")
 
 
@@ -98,3 +102,77 @@ def check_cpu_example_weight(answer: float | None) -> None:
     else:
         print("not quite: write the weight of one example in each shard's mean, times the 1/2 "
               "of averaging the two devices, and divide")
+
+
+def _one_device_step(params: list[torch.Tensor], X: torch.Tensor, y: torch.Tensor,
+                            lr: float, wd: float = 0.0) -> list[torch.Tensor]:
+    """One plain SGD step on one device: p - lr * (summed gradient / n + wd * p)."""
+    ref = get_params(params, torch.device("cpu"))
+    loss(lenet(X, ref), y).sum().backward()
+    with torch.no_grad():
+        return [p - lr * (p.grad / len(y) + wd * p) for p in ref]
+
+
+def _step_problem(device_params: list[list[torch.Tensor]], ref: list[torch.Tensor],
+                  params: list[torch.Tensor]) -> str | None:
+    """What is wrong with the replicas after a step, against the one-device step ref."""
+    for i, replica in enumerate(device_params):
+        for j, (p, r, p0) in enumerate(zip(replica, ref, params)):
+            rel = float((p.detach() - r).abs().max() / (r - p0).abs().max())
+            if rel > 1e-4:
+                return (f"replica {i}, parameter {j}: its update is {rel:.1e} (relative) away "
+                        "from the one-device step")
+        if not all(torch.equal(p, q) for p, q in zip(replica, device_params[0])):
+            return f"replica {i} differs from replica 0: every device must apply the same step"
+    return None
+
+
+def check_train_batch(train_batch: Callable) -> None:
+    """Your train_batch: the one-device SGD step on every replica, with the allreduce it is
+    given, the summed loss returned, idle devices handled and mismatched replicas refused."""
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.rand(10, 1, 28, 28, generator=g), torch.randint(0, 10, (10,), generator=g)
+    params = init_lenet_params(0, scale=0.1)
+    for k, n in ((1, 10), (2, 10), (3, 10), (4, 3)):
+        devs, calls = [torch.device("cpu", i) for i in range(k)], []
+        replicas = [get_params(params, d) for d in devs]
+        got = train_batch(X[:n], y[:n], replicas, devs, 0.1,
+                          allreduce=lambda ts: calls.append(len(ts)) or allreduce(ts))
+        where = f"batch {n} on {k} device{'s' if k > 1 else ''}"
+        assert calls == [k] * 8, (f"{where}: call the given allreduce once per parameter, "
+                                  f"on the list of the replicas' gradients (calls on {calls})")
+        problem = _step_problem(replicas, _one_device_step(params, X[:n], y[:n], 0.1),
+                                params)
+        assert problem is None, f"{where}: {problem}"
+        want = float(loss(lenet(X[:n], params), y[:n]).sum())
+        assert got is not None and abs(float(got) - want) <= 1e-5 * abs(want), (
+            f"{where}: returned {got}, want the summed loss of the batch, {want:.4f}")
+    try:
+        train_batch(X, y, [get_params(params, devs[0])], devs[:2], 0.1)
+    except ValueError:
+        return print("train_batch is right: the one-device step on 1-4 devices (idle ones too), "
+                     "identical replicas, the summed loss")
+    raise AssertionError("train_batch accepted one replica for two devices: call check_replicas")
+
+
+def check_train_batch_wd(train_batch_wd: Callable | None) -> None:
+    """Exercise 7: train_batch with weight decay wd, the step of one device on
+    sum of losses / n + wd / 2 * (sum of squared parameters)."""
+    if train_batch_wd is None:
+        return print("not answered yet")
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.rand(10, 1, 28, 28, generator=g), torch.randint(0, 10, (10,), generator=g)
+    params, lr, wd = init_lenet_params(0, scale=0.1), 0.1, 0.5
+    for k, n in ((1, 10), (2, 10), (3, 10), (4, 3)):
+        devs = [torch.device("cpu", i) for i in range(k)]
+        replicas = [get_params(params, d) for d in devs]
+        train_batch_wd(X[:n], y[:n], replicas, devs, lr, wd)
+        steps = {m: _one_device_step(params, X[:n], y[:n], lr, m * wd) for m in range(1, 5)}
+        problem = _step_problem(replicas, steps[1], params)
+        if problem is None:
+            continue
+        if any(_step_problem(replicas, steps[m], params) is None for m in range(2, 5)):
+            return print(f"not quite: on {k} devices your decay is counted more than once (each "
+                         "device adds it before the allreduce sums them): add it once")
+        return print(f"not quite: batch {n} on {k} device(s): {problem}")
+    print("correct: the decay is added once, after the allreduce (or 1/k of it on each device)")

@@ -172,3 +172,146 @@ def check_bytes_received(answer: float | None) -> None:
     else:
         print("not quite: count 3 shards of 256 outputs of 10 numbers, and 3 copies of every "
               "parameter's gradient, 4 bytes each")
+
+
+def _devs(k: int) -> list[torch.device]:
+    """k simulated CPU devices, without devices()' announcement."""
+    return [torch.device("cpu", i) for i in range(k)]
+
+
+def check_scatter(scatter: Callable) -> None:
+    """Your scatter: torch.chunk's pieces along dim 0, piece i on device i, differentiable."""
+    X = torch.randn(10, 3, requires_grad=True)
+    shards = scatter(X, [torch.device("cpu"), torch.device("meta"), torch.device("cpu")])
+    assert [s.device.type for s in shards] == ["cpu", "meta", "cpu"], (
+        f"devices cpu, meta, cpu got shards on {[s.device.type for s in shards]}: "
+        "move shard i to devs[i]")
+    for k in range(1, 6):
+        for n in range(1, 21):
+            t = torch.arange(n * 2.0).reshape(n, 2)
+            got, want = scatter(t, _devs(k)), t.chunk(k)
+            assert [len(s) for s in got] == [len(c) for c in want], (
+                f"{n} rows on {k} devices: shards of {[len(s) for s in got]}, torch.chunk "
+                f"gives {[len(c) for c in want]}")
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (
+                f"{n} rows on {k} devices: the shards are not the rows of t in order")
+    total = sum(s.sum() for s in scatter(X, _devs(3)))
+    if total.requires_grad:
+        total.backward()
+    assert X.grad is not None and torch.equal(X.grad, torch.ones_like(X)), (
+        "the shards are not connected to t in autograd: use t.chunk and .to, no detach")
+    print("scatter is right: torch.chunk's shards for 1-20 rows on 1-5 devices, shard i on "
+          "devs[i], gradients flow back")
+
+
+def check_replicate(replicate: Callable) -> None:
+    """Your replicate: the originals for the first device, differentiable copies on the
+    others (parameters and buffers), and a ValueError for a module on another device."""
+    module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    states = replicate(module, _devs(3))
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    assert len(states) == 3, f"3 devices got {len(states)} states: one dict per device"
+    for i, state in enumerate(states):
+        assert sorted(state) == sorted(names), (
+            f"device {i}'s state has keys {sorted(state)}; want the parameters' and buffers' "
+            f"names, {sorted(names)}")
+    originals = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    assert all(states[0][n] is t for n, t in originals.items()), (
+        "the first device's state must hold the module's own tensors, not copies")
+    for i, state in enumerate(states[1:], start=1):
+        for n, t in state.items():
+            assert torch.equal(t, originals[n]) and t.data_ptr() != originals[n].data_ptr(), (
+                f"device {i}'s {n} must be a copy of the original: equal values, its own memory")
+    sum(s["0.weight"].sum() for s in states).backward()
+    grad = module[0].weight.grad
+    assert grad is not None and torch.equal(grad, torch.full_like(grad, 3.0)), (
+        "the copies' gradients do not flow back to the original parameters: copy with "
+        ".to(d, copy=True), without detach")
+    on_meta = replicate(module, [torch.device("cpu"), torch.device("meta")])[1]
+    assert all(t.device.type == "meta" for t in on_meta.values()), (
+        "devices cpu, meta: the second state is not on meta; copy each tensor to its device")
+    try:
+        replicate(nn.Linear(3, 4, device="meta"), [torch.device("cpu")])
+    except ValueError:
+        return print("replicate is right: the originals on the first device, differentiable "
+                     "copies of parameters and buffers on the others, a clear error otherwise")
+    raise AssertionError("a module on meta replicated from cpu was accepted: raise a ValueError "
+                         "naming the tensor that is not on devs[0] (use same_device)")
+
+
+def check_parallel_apply(parallel_apply: Callable) -> None:
+    """Your parallel_apply: the module run with state i on shard i, for each device in order."""
+    module = nn.Linear(3, 2)
+    states = [{"weight": torch.randn(2, 3, requires_grad=True), "bias": torch.randn(2)}
+              for _ in range(3)]
+    shards = [torch.randn(n, 3) for n in (4, 4, 2)]
+    outputs = parallel_apply(module, states, shards)
+    assert len(outputs) == 3, f"3 states and 3 shards gave {len(outputs)} outputs: one each"
+    for i, (out, state, shard) in enumerate(zip(outputs, states, shards)):
+        want = nn.functional.linear(shard, state["weight"], state["bias"])
+        assert out.shape == want.shape and torch.allclose(out, want), (
+            f"output {i} is not the module run with state {i} on shard {i} "
+            "(torch.func.functional_call(module, state, (shard,)))")
+    if outputs[1].requires_grad:
+        outputs[1].sum().backward()
+    assert states[1]["weight"].grad is not None and states[0]["weight"].grad is None, (
+        "output 1's gradient does not reach state 1's weight alone: compute with the states")
+    print("parallel_apply is right: each shard through the module with its own device's state")
+
+
+def check_gather(gather: Callable) -> None:
+    """Your gather: the outputs concatenated along dim 0 on the given device, differentiable."""
+    outputs = [torch.randn(n, 2, requires_grad=True) for n in (4, 4, 2)]
+    got = gather(outputs, torch.device("cpu"))
+    assert isinstance(got, torch.Tensor) and torch.equal(got, torch.cat(outputs)), (
+        "the result is not the outputs concatenated along dim 0, in order")
+    if got.requires_grad:
+        got.sum().backward()
+    assert all(o.grad is not None and torch.equal(o.grad, torch.ones_like(o)) for o in outputs), (
+        "gradients do not flow back to each output: move with .to(device), no detach")
+    on = gather(outputs, torch.device("meta")).device.type
+    assert on == "meta", f"gather(outputs, meta) returned a tensor on {on}: move them to device"
+    print("gather is right: the outputs concatenated on the device, gradients flow back")
+
+
+class _Gathered(TorchFunctionMode):
+    """Notes whether torch.cat joins 2-D tensors of `width` columns (gathered outputs)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width, self.seen = width, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.cat and args:
+            self.seen |= all(t.dim() == 2 and t.shape[1] == self.width for t in args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def check_parallel_loss(parallel_loss: Callable | None) -> None:
+    """Exercise 5: the batch's mean cross entropy computed on every device, from its own
+    shard's outputs, without gathering the outputs: the value and the gradient of one device's."""
+    if not answered(parallel_loss):
+        return
+    torch.manual_seed(0)
+    for k, n in ((1, 10), (2, 10), (3, 10), (4, 3)):
+        module = nn.Linear(5, 7).double()
+        X, y = torch.randn(n, 5, dtype=torch.float64), torch.randint(0, 7, (n,))
+        want = nn.functional.cross_entropy(module(X), y)
+        (want_grad,) = torch.autograd.grad(want, [module.weight])
+        with _Gathered(7) as mode:
+            got = parallel_loss(module, X, y, _devs(k))
+        if mode.seen:
+            return print("not quite: the outputs were gathered (torch.cat); compute each "
+                         "shard's loss on its own device and add up the losses")
+        if not torch.isclose(got.detach(), want.detach(), rtol=1e-10):
+            sizes = [len(s) for s in X.chunk(k)]
+            return print(f"not quite: {n} examples on {k} device(s) (shards {sizes}): loss "
+                         f"{float(got.detach()):.6f}, the batch's mean is {float(want.detach()):.6f}; each "
+                         f"example weighs 1/{n}, whatever its shard")
+        (grad,) = (torch.autograd.grad(got, [module.weight], allow_unused=True)
+                   if got.requires_grad else (None,))
+        if grad is None or not torch.allclose(grad, want_grad, rtol=1e-10, atol=1e-14):
+            return print(f"not quite: {n} examples on {k} device(s): the loss is right but its "
+                         "gradient is not; keep the losses in the autograd graph")
+    print("correct: summed losses per shard, added on the first device and divided by the "
+          "whole batch, with the gradient of one device")
