@@ -107,8 +107,23 @@ def tree_allreduce_cost(link: AlphaBeta, p: int) -> AlphaBeta:
     return AlphaBeta(2 * rounds * link.alpha, 2 * rounds * link.beta)
 
 
+def double_tree_allreduce_cost(link: AlphaBeta, p: int) -> AlphaBeta:
+    """NCCL's double binary tree: 2 ceil(log2 p) * alpha + 2 n beta.
+
+    Two binary trees, each rank a leaf in one and an inner node in the other, each reduce
+    then broadcast half the tensor in pipelined chunks: a rank sends (and receives) about 2n
+    bytes, whatever p, and pays the depth's latencies up and down (NCCL's tuning model).
+    """
+    check_ranks(p)
+    if p == 1:
+        return AlphaBeta(0.0, 0.0)
+    depth = (p - 1).bit_length()  # ceil(log2 p)
+    return AlphaBeta(2 * depth * link.alpha, 2 * link.beta)
+
+
 ALLREDUCE_COSTS: dict[str, Callable[[AlphaBeta, int], AlphaBeta]] = {
-    "naive": naive_allreduce_cost, "ring": ring_allreduce_cost, "tree": tree_allreduce_cost}
+    "naive": naive_allreduce_cost, "ring": ring_allreduce_cost, "tree": tree_allreduce_cost,
+    "double tree": double_tree_allreduce_cost}
 
 
 def allreduce_cost(link: AlphaBeta, p: int, algorithm: str = "ring") -> AlphaBeta:

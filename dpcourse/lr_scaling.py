@@ -25,16 +25,25 @@ def warmup_lr(lr: float, samples_seen: int, warmup_samples: int) -> float:
     return lr * samples_seen / warmup_samples
 
 
+def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
+             y: torch.Tensor, lr: float) -> float:
+    """One SGD step at learning rate lr on the batch (X, y); return its loss."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss = F.cross_entropy(model(X), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 def loss_curve(X: torch.Tensor, y: torch.Tensor, batch_size: int, lr: float, samples: int,
                warmup_samples: int = 0, init_scale: float = 0.1, log_every: int = 1024,
                seed: int = 0) -> dict[str, list[float]]:
-    """Train LeNet (weights randn * init_scale from seed) with SGD on batches of batch_size
-    drawn in one fixed shuffled order of (X, y), for samples samples (with warmup_lr); return
-    {"samples", "loss"}: the mean training loss of each interval of log_every samples.
-
-    Every run with the same seed sees the same samples in the same order, whatever its batch
-    size: the curves differ only by how the samples are grouped into steps.
-    """
+    """Train LeNet (weights randn * init_scale from seed) with SGD (sgd_step, warmup_lr) on
+    batches drawn in one fixed shuffled order of (X, y), whatever batch_size: runs differ only
+    by how the samples are grouped into steps. Return {"samples", "loss"}: the mean training
+    loss of each interval of log_every samples."""
     if samples % log_every or log_every % batch_size:
         raise ValueError(f"batch_size ({batch_size}) must divide log_every ({log_every}), "
                          f"which must divide samples ({samples})")
@@ -45,13 +54,8 @@ def loss_curve(X: torch.Tensor, y: torch.Tensor, batch_size: int, lr: float, sam
     losses = []
     for seen in range(batch_size, samples + 1, batch_size):
         idx = order[torch.arange(seen - batch_size, seen) % len(X)]
-        for group in opt.param_groups:
-            group["lr"] = warmup_lr(lr, seen, warmup_samples)
-        loss = F.cross_entropy(model(X[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        rate = warmup_lr(lr, seen, warmup_samples)
+        losses.append(sgd_step(model, opt, X[idx], y[idx], rate))
         if seen % log_every == 0:
             curve["samples"].append(seen)
             curve["loss"].append(sum(losses) / len(losses))

@@ -329,7 +329,7 @@ def show_training_runs(results: dict) -> None:
     for label, r in results.items():
         ax1.plot(range(1, len(r.step_loss) + 1), r.step_loss, lw=1, label=label)
     ax1.set(xlabel="SGD step", ylabel="training loss of the minibatch",
-            title="Training loss: the same steps, up to rounding")
+            title="Training loss: together at first, then apart (float32 rounding, amplified)")
     ax1.legend(fontsize=8)
     labels = [str(k) for k in results]
     ax2.bar(labels, [r.seconds_per_epoch for r in results.values()], color="C1", label="mean")
@@ -387,32 +387,6 @@ def show_data_parallel_flow(k: int = 3) -> None:
     ax.set_title("One step of nn.DataParallel: device 0 scatters, gathers, computes the loss "
                  "and receives every gradient (red: backward)", fontsize=10)
     ax.axis("off")
-    _show(fig)
-
-
-def _devices_label(devs: list[str]) -> str:
-    """The devices of a run, or "2 replicas on one GPU (cuda:0)" when replicas share one."""
-    if len(set(devs)) == len(devs):
-        return ", ".join(devs)
-    distinct = list(dict.fromkeys(devs))
-    on = "one GPU" if len(distinct) == 1 else f"{len(distinct)} GPUs"
-    return f"{len(devs)} replicas on {on} ({', '.join(distinct)})"
-
-
-def show_epoch_times(results: dict) -> None:
-    """Seconds per epoch of each training run (name -> TrainResult), with the devices it ran on."""
-    fig, ax = plt.subplots(figsize=(6.5, 2.8))
-    names = list(results)
-    bars = ax.bar(names, [results[n].seconds_per_epoch for n in names], color="tab:orange")
-    ax.bar_label(bars, labels=[_devices_label(results[n].devices) for n in names], fontsize=8)
-    hosts = {d.split(":")[0] for n in names for d in results[n].devices}
-    shared = any(len(set(results[n].devices)) < len(results[n].devices) for n in names)
-    where = ("one CPU, devices simulated" if hosts == {"cpu"}
-             else " and ".join(sorted(hosts)) + " devices"
-             + ("; replicas sharing a GPU" if shared else ""))
-    ax.set(xlabel="training run (bar labels: the devices used)", ylabel="seconds per epoch")
-    ax.set_title(f"ResNet-18, measured on this machine ({where})", fontsize=10)
-    ax.margins(y=0.2)
     _show(fig)
 
 
@@ -521,6 +495,34 @@ def show_timing_spread(samples: dict[str, dict[int, list[float]]], names: list[s
     ax.minorticks_off()
     ax.set_title("Every call timed: the same allreduce at the same size", fontsize=9)
     ax.legend(fontsize=7)
+    _show(fig)
+
+
+def show_shm_layout(world: int = 3) -> None:
+    """Chapter 08's shared buffers on world ranks: one row per rank's buffer (its header, then
+    one region per rank), each region labelled with who writes it, in which phase, and who
+    reads it. Only a buffer's owner writes it; everyone reads."""
+    fig, ax = plt.subplots(figsize=(7.2, 0.75 * world + 0.9))
+    for q in range(world):  # rank q's buffer, top to bottom
+        y = world - 1 - q
+        ax.add_patch(Rectangle((0, y + 0.1), 0.9, 0.8, facecolor="lightgray", edgecolor="black"))
+        ax.text(0.45, y + 0.5, "header\ncounter,\nnumel, dtype", ha="center", va="center",
+                fontsize=6)
+        for r in range(world):
+            own = r == q
+            text = (f"1 copy-in: rank {q}\nwrites its slice {r}\n2 reduce: rank {r} reads"
+                    if not own else f"2 reduce: rank {q} writes\nthe sum of slice {q}\n"
+                    "3 gather: all read")
+            ax.add_patch(Rectangle((1 + 1.6 * r, y + 0.1), 1.5, 0.8, edgecolor="black",
+                                   facecolor="tab:orange" if own else "lightsteelblue"))
+            ax.text(1.75 + 1.6 * r, y + 0.5, text, ha="center", va="center", fontsize=6)
+        ax.text(-0.1, y + 0.5, f"buffer of\nrank {q}", ha="right", va="center", fontsize=7)
+    for r in range(world):
+        ax.text(1.75 + 1.6 * r, world + 0.1, f"region {r}", ha="center", fontsize=7)
+    ax.set(xlim=(-1.1, 1 + 1.6 * world), ylim=(-0.1, world + 0.45))
+    ax.axis("off")
+    ax.set_title(f"{world} ranks: a buffer is written only by its owner, in phase 1 (blue) or 2 "
+                 "(orange), and read by the others after a wait", fontsize=8)
     _show(fig)
 
 

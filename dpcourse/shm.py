@@ -42,23 +42,14 @@ DTYPE_CODES = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES, 1)}
 
 class SharedBuffers:
     """What every step of chapter 08's allreduce shares: one buffer per rank of the default
-    process group, shared by all, cut into one region per rank, and a header whose counter
-    the ranks wait on (``_arrive``). ``allreduce`` streams a tensor through the buffers in
-    rounds; a subclass says what one round does (``_round``).
-
-    Create it on every rank with the same max_bytes, the size of each rank's buffer. timeout:
-    seconds a rank waits for the others before raising TimeoutError (and closing).
+    process group, mapped by all, cut into one region per rank, and a header whose counter the
+    ranks wait on (``_arrive``). ``allreduce`` streams a tensor through the buffers in rounds;
+    a subclass says what one round does (``_round``). Create it on every rank with the same
+    max_bytes (each rank's buffer); timeout: seconds to wait for the others (TimeoutError).
     """
 
     def __init__(self, max_bytes: int = 2 << 20, *, timeout: float = 60.0) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"{type(self).__name__} needs the default process group")
-        if not SHM_DIR.is_dir():
-            raise RuntimeError(f"{type(self).__name__} needs Linux's {SHM_DIR}")
-        if platform.machine().lower() not in ("x86_64", "amd64"):
-            raise RuntimeError(f"{type(self).__name__} needs an x86-64 CPU: its counters rely on "
-                               "x86-64 keeping stores in order (ARM may reorder them); use "
-                               f"dist.all_reduce on this {platform.machine()} machine")
+        check_shm_usable(type(self).__name__)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = timeout
         if not isinstance(max_bytes, int) or max_bytes < ALIGN * self.world:
@@ -72,6 +63,15 @@ class SharedBuffers:
                          for m in self._maps]
         self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._count = 0  # what this rank's counter says now
+
+    def _regions(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        """For each rank, the world regions of its buffer as tensors of dtype (cached):
+        regions[q][r] is region r of rank q's buffer."""
+        if dtype not in self._views:
+            per = self.region_bytes // dtype.itemsize
+            self._views[dtype] = [list(b.view(dtype)[:self.world * per].view(self.world, per))
+                                  for b in self._buffers]
+        return self._views[dtype]
 
     def __enter__(self) -> "SharedBuffers":
         return self
@@ -113,24 +113,6 @@ class SharedBuffers:
         """Allreduce one piece that fits in the buffers (first: the call's first round)."""
         raise NotImplementedError
 
-    def _check_same_call(self) -> None:
-        """Raise on every rank if the headers say the ranks passed different tensors."""
-        seen = [tuple(h[1:3]) for h in self._headers]
-        if len(set(seen)) > 1:
-            self._arrive()  # nobody writes a header before every rank has read them all
-            names = {code: str(dt).removeprefix("torch.") for dt, code in DTYPE_CODES.items()}
-            calls = ", ".join(f"rank {r}: {n} x {names[c]}" for r, (n, c) in enumerate(seen))
-            raise ValueError(f"{type(self).__name__}: the ranks passed different tensors "
-                             f"({calls}); every rank must pass the same numel and dtype")
-
-    def _regions(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
-        """For each rank, the world regions of its buffer as tensors of dtype (cached)."""
-        if dtype not in self._views:
-            per = self.region_bytes // dtype.itemsize
-            self._views[dtype] = [list(b.view(dtype)[:self.world * per].view(self.world, per))
-                                  for b in self._buffers]
-        return self._views[dtype]
-
     def _arrive(self) -> None:
         """Count one more step done, then wait until every rank has counted as far."""
         self._count += 1
@@ -152,30 +134,54 @@ class SharedBuffers:
             f"{', '.join(map(str, late))} did not arrive within {self.timeout:g} s (crashed, "
             "or skipped an allreduce the others called); this object is now closed")
 
+    def _check_same_call(self) -> None:
+        """Raise on every rank if the headers say the ranks passed different tensors."""
+        seen = [tuple(h[1:3]) for h in self._headers]
+        if len(set(seen)) > 1:
+            self._arrive()  # nobody writes a header before every rank has read them all
+            names = {code: str(dt).removeprefix("torch.") for dt, code in DTYPE_CODES.items()}
+            calls = ", ".join(f"rank {r}: {n} x {names[c]}" for r, (n, c) in enumerate(seen))
+            raise ValueError(f"{type(self).__name__}: the ranks passed different tensors "
+                             f"({calls}); every rank must pass the same numel and dtype")
+
 
 class SharedMemoryAllreduce(SharedBuffers):
     """An allreduce (sum) through shared buffers: each rank sums its own slice straight into its
     own region, where the others gather it (two waits per round; chapter 08 sizes the buffer)."""
 
     def _round(self, piece: torch.Tensor, first: bool) -> None:
-        """Allreduce one piece that fits in the buffers: copy in, reduce, gather."""
+        """Allreduce one piece that fits in the buffers: copy in, wait, (check the call),
+        reduce, wait, gather."""
         regions = self._regions(piece.dtype)
         slices = piece.tensor_split(self.world)
+        self._copy_in(regions, slices)
+        self._arrive()  # every rank's slices are in its buffer
+        if first:
+            self._check_same_call()
+        self._reduce(regions, slices)
+        self._arrive()  # every sum is in its owner's region
+        self._gather(regions, slices)
+
+    def _copy_in(self, regions: list[list[torch.Tensor]], slices: tuple[torch.Tensor, ...]) -> None:
+        """Copy every slice q but this rank's own into region q of this rank's buffer."""
         mine = regions[self.rank]
         for q, s in enumerate(slices):
             if q != self.rank:
                 mine[q][:s.numel()].copy_(s)
-        self._arrive()
-        if first:
-            self._check_same_call()
+
+    def _reduce(self, regions: list[list[torch.Tensor]], slices: tuple[torch.Tensor, ...]) -> None:
+        """Sum this rank's slice over the ranks, in rank order, into region rank of its own
+        buffer: rank q's part is in region rank of q's buffer, its own part in its tensor."""
         n = slices[self.rank].numel()
         parts = [s if q == self.rank else regions[q][self.rank][:n]  # own part: no copy
                  for q, s in enumerate(slices)]
-        out = mine[self.rank][:n]  # the sum goes straight where the others gather it
+        out = regions[self.rank][self.rank][:n]  # the sum goes where the others gather it
         torch.add(parts[0], parts[1], out=out)
         for part in parts[2:]:
             out += part
-        self._arrive()
+
+    def _gather(self, regions: list[list[torch.Tensor]], slices: tuple[torch.Tensor, ...]) -> None:
+        """Copy each rank's summed slice, region q of rank q's buffer, into slice q."""
         for q, s in enumerate(slices):
             s.copy_(regions[q][q][:s.numel()])
 
@@ -198,6 +204,19 @@ def shm_hook(state: ShmHookState,
     """A communication hook: average the bucket through shared memory (CPU, one host)."""
     buffer = bucket.buffer().div_(state.shm.world)
     return state.submit(state.shm.allreduce, buffer)
+
+
+def check_shm_usable(name: str) -> None:
+    """Raise a clear error unless this process can build shared buffers: a default process
+    group, Linux's /dev/shm, and an x86-64 CPU (the counters rely on its store order)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{name} needs the default process group")
+    if not SHM_DIR.is_dir():
+        raise RuntimeError(f"{name} needs Linux's {SHM_DIR}")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"{name} needs an x86-64 CPU: its counters rely on x86-64 keeping "
+                           "stores in order (ARM may reorder them); use dist.all_reduce on "
+                           f"this {platform.machine()} machine")
 
 
 def remove_segments_of(pid: int) -> None:

@@ -11,7 +11,8 @@ round and wait, in the order the chapter builds them:
 4. ``SharedMemoryAllreduce`` with its 2 MiB buffer, which stays in the CPU's cache.
 
 Steps 1-3 get a buffer as large as the largest tensor the chapter measures (64 MiB): a
-tensor goes through in one round. ``SHM_STEPS`` maps a label to a factory of each step.
+tensor goes through in one round. ``SHM_STEPS`` maps a label to a factory of each step;
+``regions_seen`` shows, on real ranks, that what a rank writes in its buffer every rank reads.
 """
 from __future__ import annotations
 
@@ -76,3 +77,15 @@ SHM_STEPS: dict[str, Callable[[], ContextManager]] = {
     "3 reduce into shared memory": partial(SharedMemoryAllreduce, WHOLE_TENSOR_BYTES),
     "4 2 MiB buffer": SharedMemoryAllreduce,
 }
+
+
+def regions_seen(max_bytes: int = 1 << 12) -> list[list[int]]:
+    """On each rank: write 10 * rank + q into region q of this rank's buffer, wait for every
+    rank, then read the first number of every region of every rank's buffer: what one rank
+    writes in its own buffer, every rank reads. Returns [buffer of rank q][region r]."""
+    with SharedBuffers(max_bytes) as shm:
+        regions = shm._regions(torch.float32)
+        for q, region in enumerate(regions[shm.rank]):
+            region.fill_(10 * shm.rank + q)
+        shm._arrive()  # every rank has written its own buffer
+        return [[int(region[0]) for region in buffer] for buffer in regions]

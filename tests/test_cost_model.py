@@ -95,8 +95,18 @@ def test_tree_rounds_are_ceil_log2_p():
     assert rounds == {1: 0, 2: 1, 3: 2, 4: 2, 5: 3, 8: 3, 9: 4}
 
 
+def test_double_tree_is_logarithmic_latency_and_twice_the_bytes():
+    """NCCL's tuning model: 2 ceil(log2 p) latencies, 2n bytes at the link's rate (algbw =
+    busbw / 2), so the ring wins back only through bytes: 2(p-1)/p n < 2n."""
+    link = AlphaBeta(1.0, 1.0)
+    for p, depth in [(2, 1), (3, 2), (8, 3), (9, 4), (64, 6)]:
+        cost = cost_model.double_tree_allreduce_cost(link, p)
+        assert (cost.alpha, cost.beta) == (2 * depth, 2.0)
+        assert cost.beta > cost_model.ring_allreduce_cost(link, p).beta
+
+
 def test_one_rank_costs_nothing():
-    for algorithm in ["naive", "ring", "tree"]:
+    for algorithm in ["naive", "ring", "tree", "double tree"]:
         assert cost_model.allreduce_cost(LINK, 1, algorithm).time(MiB) == 0.0
 
 

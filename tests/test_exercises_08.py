@@ -1,5 +1,7 @@
 """The checkers of chapter 08 say "correct" to right answers and explain known wrong ones; their
 references agree with cost_model's formulas and with its bucket simulation."""
+import re
+
 import pytest
 
 from dpcourse import cost_model
@@ -8,9 +10,12 @@ from dpcourse.cost_model import AlphaBeta
 from dpcourse.exercises.ch08 import (BUCKET_BACKWARD_S, BUCKET_COST, BUCKET_MODEL_BYTES,
                                      CROSSOVER_LINK, CROSSOVER_RANKS, PREDICT_BYTES,
                                      best_bucket_reference, bf16_overhead_reference,
-                                     check_best_bucket, check_bf16_overhead,
-                                     check_predicted_seconds, check_ring_tree_crossover,
-                                     ring_tree_crossover_reference)
+                                     check_best_bucket, check_bf16_overhead, check_copy_in,
+                                     check_gather, check_predicted_seconds, check_reduce,
+                                     check_ring_tree_crossover, check_round,
+                                     check_shm_broadcast, ring_tree_crossover_reference)
+from dpcourse.exercises.yours import on_ranks
+from shm_checks import segment_files
 
 FIT = AlphaBeta(alpha=300e-6, beta=1 / 1.5e9)  # a fit like gloo's on 2 processes
 
@@ -54,29 +59,32 @@ def test_the_size_to_predict_is_not_one_the_sweep_measures():
     assert numel not in performance.SWEEP_NUMELS
 
 
-# --- exercise 2: where the ring overtakes the tree -----------------------------------------
+# --- exercise 2: where the ring overtakes NCCL's double binary tree -------------------------
 
-def test_crossover_is_where_the_ring_and_tree_formulas_take_equally_long():
+def test_crossover_is_where_the_ring_and_double_tree_formulas_take_equally_long():
     n = ring_tree_crossover_reference()
     ring = cost_model.allreduce_cost(CROSSOVER_LINK, CROSSOVER_RANKS, "ring")
-    tree = cost_model.allreduce_cost(CROSSOVER_LINK, CROSSOVER_RANKS, "tree")
+    tree = cost_model.allreduce_cost(CROSSOVER_LINK, CROSSOVER_RANKS, "double tree")
     assert ring.time(n) == pytest.approx(tree.time(n), rel=1e-12)
     assert ring.time(0.5 * n) > tree.time(0.5 * n) and ring.time(2 * n) < tree.time(2 * n)
 
 
 def test_crossover_by_hand_for_8_ranks():
-    # 14 (a + n b / 8) = 6 (a + n b)  =>  n = 8 a / (4.25 b)
+    # ring 14 a + 14/8 n b = double tree 6 a + 2 n b  =>  8 a = n b / 4  =>  n = 32 a / b = 4 MB
     a, b = CROSSOVER_LINK.alpha, CROSSOVER_LINK.beta
-    assert ring_tree_crossover_reference() == pytest.approx(8 * a / (4.25 * b), rel=1e-12)
+    assert ring_tree_crossover_reference() == pytest.approx(32 * a / b, rel=1e-12)
+    assert ring_tree_crossover_reference() == pytest.approx(4e6, rel=1e-12)
+    # the binomial tree (6 a + 6 n b) crosses at 8 a / (4.25 b), 17x smaller
+    assert ring_tree_crossover_reference(tree="tree") == pytest.approx(8 * a / (4.25 * b))
 
 
-def test_crossover_accepts_the_answer_and_explains_a_ring_that_sends_whole_tensors(capsys):
+def test_crossover_accepts_the_answer_and_explains_the_binomial_tree(capsys):
     a, b = CROSSOVER_LINK.alpha, CROSSOVER_LINK.beta
-    check_ring_tree_crossover(8 * a / (4.25 * b))
+    check_ring_tree_crossover(32 * a / b)
     assert said(capsys).startswith("correct")
-    check_ring_tree_crossover(8 * a / (8 * b))  # 14 (a + n b) = 6 (a + n b): |n| = a / b
+    check_ring_tree_crossover(8 * a / (4.25 * b))
     out = said(capsys)
-    assert out.startswith("not quite") and "n/p bytes" in out, out
+    assert out.startswith("not quite") and "binomial" in out, out
     check_ring_tree_crossover(1.0)
     assert "set them equal" in said(capsys)
 
@@ -152,3 +160,88 @@ def test_bf16_overhead_explains_bytes_bandwidth_units_and_buckets(capsys, answer
     check_bf16_overhead(answer)
     out = said(capsys)
     assert out.startswith("not quite") and reason in out, out
+
+
+# --- the parts a student writes (on ranks): each check accepts the package's code and says
+# what is wrong with a typical mistake; exercise 5's broadcast ------------------------------
+
+WRITTEN = {  # file name -> (method source, the check)
+    "copy_in_own_region": ('''
+    def _copy_in(self, regions, slices):
+        for q, s in enumerate(slices):  # own slice copied in too: its region is the sum's
+            regions[self.rank][q][:s.numel()].copy_(s)
+''', check_copy_in, "own slice stays in its tensor"),
+    "reduce_own_part_from_buffer": ('''
+    def _reduce(self, regions, slices):
+        n = slices[self.rank].numel()
+        out = regions[self.rank][self.rank][:n]
+        torch.add(regions[0][self.rank][:n], regions[1][self.rank][:n], out=out)
+''', check_reduce, "own part in slices"),
+    "gather_own_buffer": ('''
+    def _gather(self, regions, slices):
+        for q, s in enumerate(slices):
+            s.copy_(regions[self.rank][q][:s.numel()])
+''', check_gather, "is not dist.all_reduce's sum: copy region"),
+    "round_one_wait": ('''
+    def _round(self, piece, first):
+        regions, slices = self._regions(piece.dtype), piece.tensor_split(self.world)
+        self._copy_in(regions, slices)
+        self._arrive()
+        if first:
+            self._check_same_call()
+        self._reduce(regions, slices)
+        self._gather(regions, slices)
+''', check_round, "each round must call _copy_in, _arrive, _reduce, _arrive, _gather"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITTEN))
+def test_each_check_of_a_written_part_names_a_typical_mistake(tmp_path, name):
+    method, check, reason = WRITTEN[name]
+    path = tmp_path / f"{name}.py"
+    path.write_text("import torch\nfrom dpcourse.shm import SharedMemoryAllreduce\n\n\n"
+                    f"class SharedMemoryAllreduce(SharedMemoryAllreduce):{method}")
+    with pytest.raises(AssertionError, match=re.escape(reason)):
+        on_ranks(check, path, "SharedMemoryAllreduce")
+    assert not segment_files(), "a check left a shared-memory segment behind"
+
+
+def test_the_checks_accept_the_package_code_on_3_ranks(tmp_path):
+    path = tmp_path / "package.py"
+    path.write_text("from dpcourse.shm import SharedMemoryAllreduce\n")
+    for check in (check_reduce, check_round):  # the two that read the other ranks' regions
+        said_by_ranks = on_ranks(check, path, "SharedMemoryAllreduce", world_size=3)
+        assert len(set(said_by_ranks)) == 1 and "is right" in said_by_ranks[0]
+
+
+BROADCAST = '''import torch
+from dpcourse.p2p import flat_view
+from dpcourse.shm import SharedBuffers
+
+
+class SharedMemoryBroadcast(SharedBuffers):
+    @torch.no_grad()
+    def broadcast(self, tensor, src):
+        buffer = self._buffers[{owner}].view(tensor.dtype)
+        with flat_view(tensor) as flat:
+            for start in range(0, flat.numel(), buffer.numel()):
+                piece = flat[start:start + buffer.numel()]
+                if self.rank == src:
+                    buffer[:piece.numel()].copy_(piece)
+                self._arrive()
+                if self.rank != src:
+                    piece.copy_(buffer[:piece.numel()])
+                self._arrive()
+        return tensor
+'''
+
+
+@pytest.mark.parametrize("owner, verdict", [("src", "correct"), ("self.rank", "not quite"),
+                                            (None, "not answered yet")])
+def test_shm_broadcast_checker(tmp_path, capsys, owner, verdict):
+    path = tmp_path / "shm_broadcast.py"
+    if owner:
+        path.write_text(BROADCAST.format(owner=owner))
+    check_shm_broadcast(path)
+    assert said(capsys).splitlines()[-1].startswith(verdict)
+    assert not segment_files()

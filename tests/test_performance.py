@@ -107,6 +107,9 @@ def test_step_anatomy_timeline_has_each_bucket_launched_before_it_finished(anato
     timeline = anatomy["timeline"]
     assert [b for b, _, _ in timeline] == list(range(anatomy["buckets"]))
     assert all(0 <= launched <= finished for _, launched, finished in timeline)
+    sizes = anatomy["bucket_bytes"]  # in launch order: the last layers' bucket first
+    assert len(sizes) == anatomy["buckets"] and sum(sizes) == anatomy["gradient_bytes"]
+    assert all(size > 0 for size in sizes)
 
 
 def test_step_anatomy_rejects_an_unknown_model():

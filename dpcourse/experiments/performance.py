@@ -197,6 +197,8 @@ def anatomy_on_rank(model: str, steps: int, batch_size: int,
     median = {phase: statistics.median([next(slowest) for _ in ts])
               for phase, ts in samples.items()}
     return {"phases": median, "timeline": timeline, "buckets": len(ddp.buckets),
+            "bucket_bytes": [sum(p.numel() * p.element_size() for p in b.params)
+                             for b in ddp.buckets],
             "gradient_bytes": gradient_bytes(ddp.module)}
 
 
@@ -217,7 +219,8 @@ def step_anatomy(steps: int = 10, batch_size: int = 64, bucket_cap_mb: float = 2
     - overlap: hidden_comm_s / comm_s, within [0, 1] (1: all communication hidden).
 
     Also "timeline": (bucket, launched, finished) of rank 0's last synchronised backward, in
-    seconds from its start; "buckets"; "gradient_bytes".
+    seconds from its start; "buckets"; "bucket_bytes" (each bucket's, in launch order);
+    "gradient_bytes".
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {tuple(MODELS)}, got {model!r}")
@@ -230,7 +233,7 @@ def step_anatomy(steps: int = 10, batch_size: int = 64, bucket_cap_mb: float = 2
             "backward_sync_s": p["backward_sync"], "optimizer_s": p["optimizer"],
             "comm_s": p["comm"], "exposed_comm_s": exposed, "hidden_comm_s": hidden,
             "overlap": min(1.0, hidden / p["comm"]) if p["comm"] > 0 else 0.0,
-            "timeline": r["timeline"], "buckets": r["buckets"],
+            "timeline": r["timeline"], "buckets": r["buckets"], "bucket_bytes": r["bucket_bytes"],
             "gradient_bytes": r["gradient_bytes"]}
 
 
