@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import zero_workers
+from dpcourse.launch import launch
 from dpcourse.lenet import LENET_SHAPES
 from dpcourse.experiments.zero_memory import compare_zero, measure_stages, staged
 from dpcourse.memory import STAGES, bytes_per_rank, measured_bytes
@@ -117,3 +118,10 @@ def test_compare_zero_reports_time_and_per_rank_state():
     assert r["zero2"]["optimizer_state_bytes"] == r["zero1"]["optimizer_state_bytes"]
     assert sum(r["zero2"]["gradient_bytes"]) == 4 * LENET_NUMEL
     assert r["zero1"]["gradient_bytes"] == [4 * LENET_NUMEL] * 2
+
+
+def test_ring_bytes_counts_what_a_ring_sends_and_restores_torch_distributed():
+    sent, restored = launch(zero_workers.counted_ring_bytes, world_size=2)[0]
+    # 400 bytes each; on 2 ranks a ring sends half of them per half-ring, an allreduce both
+    assert sent == {"all_reduce": 400.0, "reduce_scatter": 200.0, "broadcast": 200.0}
+    assert restored

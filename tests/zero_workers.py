@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dpcourse.experiments import zero_demos
+from dpcourse.experiments.zero_memory import ring_bytes
 from dpcourse.comm_hooks import allreduce_hook
 from dpcourse.ddp import ScratchDDP
 from dpcourse.memory import measured_bytes
@@ -368,3 +369,15 @@ def one_rank_group() -> Iterator[None]:
             yield
         finally:
             dist.destroy_process_group()
+
+
+def counted_ring_bytes() -> tuple[dict[str, float], bool]:
+    """ring_bytes around one allreduce, reduce-scatter and broadcast of 100 float32 each, and
+    whether torch.distributed's functions are its own again afterwards."""
+    before = (dist.all_reduce, dist.reduce_scatter, dist.broadcast)
+    t = torch.ones(100)
+    with ring_bytes() as sent:
+        dist.all_reduce(t)
+        dist.reduce_scatter(torch.empty(50), list(torch.ones(100).chunk(2)))
+        dist.broadcast(t, src=0)
+    return dict(sent), before == (dist.all_reduce, dist.reduce_scatter, dist.broadcast)
