@@ -26,6 +26,21 @@ def allreduce_hook(group: dist.ProcessGroup | None,
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+class Traffic:
+    """counting_hook's state: the buckets handed to all_reduce, and their bytes, on this rank."""
+
+    def __init__(self) -> None:
+        self.calls, self.bytes = 0, 0
+
+
+def counting_hook(state: Traffic,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """allreduce_hook on the default group, counting each call and the bytes it reduces."""
+    state.calls += 1
+    state.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+    return allreduce_hook(None, bucket)
+
+
 class HelperThread:
     """Hook state for a blocking collective (our ring, shared memory): one helper thread runs
     it, so that backward goes on meanwhile. Buckets run one after another, in launch order,

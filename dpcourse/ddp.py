@@ -101,13 +101,8 @@ class Bucket:
 
 
 class ScratchDDP(nn.Module):
-    """Average gradients across the ranks of the default group, bucket by bucket.
-
-    bucket_cap_mb: bucket size cap in MiB (0: one bucket per parameter).
-    broadcast_buffers: re-broadcast rank 0's buffers before each forward that will synchronise,
-    as torch does. Buckets launch in index order, so a parameter unused on one rank holds back
-    the buckets after its own until backward ends (correct, but no overlap for them).
-    """
+    """Average gradients across the ranks of the default group, bucket by bucket (a bucket
+    holds at most bucket_cap_mb MiB; 0: one per parameter), launched in index order."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *,
                  broadcast_buffers: bool = True) -> None:
@@ -115,10 +110,9 @@ class ScratchDDP(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("ScratchDDP needs the default process group: build it in a "
                                "function run by dpcourse.launch.launch")
-        self.module = module
-        self.broadcast_buffers = broadcast_buffers
-        self.require_backward_grad_sync = True
-        self.world = dist.get_world_size()
+        self.module, self.world = module, dist.get_world_size()
+        self.broadcast_buffers = broadcast_buffers  # rank 0's, before each synchronised step
+        self.require_backward_grad_sync = True  # False inside no_sync()
         params = [p for p in module.parameters() if p.requires_grad]  # tied ones once
         self.buckets = [Bucket(ps) for ps in make_buckets(params, bucket_cap_mb)]
         self._where = {p: i for i, b in enumerate(self.buckets) for p in b.params}
@@ -126,10 +120,8 @@ class ScratchDDP(nn.Module):
         self._hook: Hook = allreduce_hook
         self._hook_registered = False
         self._syncing = False  # whether the current forward's backward synchronises
-        self._next = 0  # the next bucket to launch: buckets go in index order on every rank
-        self._callback_queued = False
-        self.launched_in_backward = 0  # buckets whose average overlapped backward, last step
         self.hook_calls = 0  # buckets handed to the comm hook since construction
+        self._reset()  # no bucket ready or launched yet
         broadcast_parameters(module)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -172,12 +164,13 @@ class ScratchDDP(nn.Module):
         return [(i, b.times["launched"], b.times["finished"])
                 for i, b in enumerate(self.buckets) if "finished" in b.times]
 
-    # --- during backward ---
-
     def _reset(self) -> None:
+        """Before a forward: no bucket ready, launched or awaited."""
         for b in self.buckets:
             b.ready, b.future, b.times = 0, None, {}
         self._next, self._callback_queued, self.launched_in_backward = 0, False, 0
+
+    # --- during backward ---
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: param's gradient is final for this backward."""
@@ -190,36 +183,40 @@ class ScratchDDP(nn.Module):
         while (self._next < len(self.buckets)
                and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
             self._launch(self._next)
-            self.launched_in_backward += 1
 
     def _launch(self, i: int) -> None:
         """Hand bucket i to the comm hook (a parameter without gradient counts as zeros)."""
         bucket = self.buckets[i]
-        self._next = i + 1
+        self._next, self.hook_calls = i + 1, self.hook_calls + 1
         bucket.times["launched"] = time.perf_counter()
-        self.hook_calls += 1
         flat = _flat_grads(bucket.params)
-        bucket.future = self._hook(self._state,
-                                   GradBucket(i, flat, bucket.params, i == len(self.buckets) - 1))
+        last = i == len(self.buckets) - 1
+        bucket.future = self._hook(self._state, GradBucket(i, flat, bucket.params, last))
         bucket.future.add_done_callback(
             lambda _, times=bucket.times: times.setdefault("finished", time.perf_counter()))
 
     def _finish(self) -> None:
         """End of backward: launch what is left (unused parameters), wait, write grads."""
+        self.launched_in_backward = self._next  # the buckets _grad_ready launched
         while self._next < len(self.buckets):  # a parameter unused on every rank: zeros
-            self._launch(self._next)  # (as chapter 07 does; torch's DDP leaves it None)
+            self._launch(self._next)  # (torch's DDP leaves its gradient None)
         for i, bucket in enumerate(self.buckets):
-            averaged = bucket.future.wait()
-            bucket.times.setdefault("finished", time.perf_counter())  # if no callback yet
-            numel = sum(p.numel() for p in bucket.params)
-            if not isinstance(averaged, torch.Tensor) or averaged.numel() != numel:
-                got = (f"{averaged.numel()} elements" if isinstance(averaged, torch.Tensor)
-                       else type(averaged).__name__)
-                raise ValueError(f"comm hook {getattr(self._hook, '__name__', self._hook)} "
-                                 f"returned {got} for bucket {i}, which holds {numel}")
-            _write_grads(bucket.params, averaged)
+            _write_average(self._hook, i, bucket, bucket.future.wait())
             bucket.future = None
         self._syncing = False
+
+
+def _write_average(hook: Hook, i: int, bucket: Bucket, averaged: Any) -> None:
+    """Check that hook's result for bucket i has the bucket's size, note when it finished,
+    and copy each parameter's slice of it into the parameter's .grad."""
+    bucket.times.setdefault("finished", time.perf_counter())  # if no done-callback yet
+    numel = sum(p.numel() for p in bucket.params)
+    if not isinstance(averaged, torch.Tensor) or averaged.numel() != numel:
+        got = (f"{averaged.numel()} elements" if isinstance(averaged, torch.Tensor)
+               else type(averaged).__name__)
+        raise ValueError(f"comm hook {getattr(hook, '__name__', hook)} "
+                         f"returned {got} for bucket {i}, which holds {numel}")
+    _write_grads(bucket.params, averaged)
 
 
 @torch.no_grad()

@@ -201,6 +201,26 @@ def adds(step: int, world: int) -> bool:
     return step < world - 1
 
 
+@torch.no_grad()
+def plain_ring_allreduce(tensor: torch.Tensor) -> int:
+    """Sum a 1-D contiguous tensor in place over the default group with the ring, one step at
+    a time, each chunk one message; the number of elements this rank sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.tensor_split(world)  # views: adding into a chunk adds into tensor
+    right, left = (rank + 1) % world, (rank - 1) % world
+    incoming, sent = torch.empty_like(chunks[0]), 0  # chunk 0 is the largest
+    for step in range(2 * (world - 1)):
+        out, into = ring_chunks(rank, world, step)
+        landing = incoming[:chunks[into].numel()] if adds(step, world) else chunks[into]
+        ops = [dist.P2POp(dist.isend, chunks[out], right), dist.P2POp(dist.irecv, landing, left)]
+        for work in dist.batch_isend_irecv(ops):  # both at once: no rank waits for ever
+            work.wait()
+        if adds(step, world):
+            chunks[into].add_(landing)
+        sent += chunks[out].numel()
+    return sent
+
+
 # A piece on its way in: this rank's piece, where the incoming part lands, the receive.
 Arrival = tuple[torch.Tensor, torch.Tensor, "dist.Work"]
 

@@ -4,9 +4,13 @@ import pytest
 import torch
 
 import workers
-from dpcourse.exercises.ch07 import (check_bucket_sizes, check_ring_sent, check_shard_indices,
+from dpcourse.exercises.ch07 import (check_broadcast, check_bucket_sizes, check_finish,
+                                     check_grad_ready, check_launch, check_plain_ring,
+                                     check_ring_left, check_ring_sent, check_shard_indices,
                                      check_sum_loss_factor, ring_sent_reference)
+from dpcourse.exercises.yours import on_ranks
 from dpcourse.launch import launch
+from dpcourse.p2p import ring_chunks
 
 RING_NUMELS = [0, 1, 2, 3, 5, 10, 1001]
 
@@ -16,7 +20,7 @@ def said(capsys) -> str:
 
 
 @pytest.mark.parametrize("check", [check_ring_sent, check_shard_indices, check_sum_loss_factor,
-                                   check_bucket_sizes])
+                                   check_bucket_sizes, check_ring_left])
 def test_no_answer_is_not_answered_yet(capsys, check):
     check(None)
     assert said(capsys) == "not answered yet\n"
@@ -169,3 +173,78 @@ def test_bucket_sizes_explains_order_cap_0_exact_fit_dtype_and_lost_parameters(c
     check_bucket_sizes(wrong)
     out = said(capsys)
     assert out.startswith("not quite") and reason in out, out
+
+
+# --- exercise 5: the ring the other way -----------------------------------------------------
+
+def test_ring_left_accepts_the_mirrored_schedule(capsys):
+    check_ring_left(lambda rank, world, step: ((rank + step + 1) % world,
+                                               (rank + step + 2) % world))
+    assert said(capsys).startswith("correct")
+
+
+@pytest.mark.parametrize("wrong, reason", [
+    (ring_chunks, "which expects chunk"),  # the right-hand schedule, sent left
+    (lambda rank, world, step: ((rank + step) % world, (rank + step + 1) % world),
+     "does not hold the full sum of chunk"),  # sums right, but chunk r lands elsewhere
+    (lambda rank, world, step: (rank, rank), "which expects chunk"),
+])
+def test_ring_left_says_where_a_wrong_schedule_breaks(capsys, wrong, reason):
+    check_ring_left(wrong)
+    out = said(capsys)
+    assert out.startswith("not quite") and reason in out, out
+
+
+# --- the parts a student writes: their checks run on ranks ----------------------------------
+
+PARTS = {  # (check, name, world size): a file that imports the package's version passes
+    "ring": (check_plain_ring, "plain_ring_allreduce", 3, "dpcourse.p2p"),
+    "broadcast": (check_broadcast, "broadcast_parameters", 2, "dpcourse.ddp"),
+    "grad_ready": (check_grad_ready, "ScratchDDP", 2, "dpcourse.ddp"),
+    "launch": (check_launch, "ScratchDDP", 2, "dpcourse.ddp"),
+    "finish": (check_finish, "ScratchDDP", 2, "dpcourse.ddp"),
+}
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_each_part_check_passes_the_package_and_stops_at_a_stub(tmp_path, part):
+    check, name, world, module = PARTS[part]
+    right = tmp_path / "right.py"
+    right.write_text(f"from {module} import {name}\n")
+    said_right = on_ranks(check, right, name, world_size=world)[0]
+    assert said_right.startswith(name if name != "ScratchDDP" else f"_{part}"), said_right
+    stub = tmp_path / "stub.py"
+    if name == "ScratchDDP":
+        method = {"grad_ready": "_grad_ready", "launch": "_launch", "finish": "_finish"}[part]
+        stub.write_text("from dpcourse.ddp import ScratchDDP\n\n\nclass ScratchDDP(ScratchDDP):\n"
+                        f"    def {method}(self, *args):\n        raise NotImplementedError()\n")
+    else:
+        stub.write_text(f"def {name}(*args):\n    raise NotImplementedError()\n")
+    with pytest.raises(NotImplementedError):
+        on_ranks(check, stub, name, world_size=world)
+
+
+def test_ring_check_refuses_a_collective(tmp_path):
+    cheat = tmp_path / "cheat.py"
+    cheat.write_text("import torch.distributed as dist\n\n\ndef plain_ring_allreduce(t):\n"
+                     "    dist.all_reduce(t)\n    return 0\n")
+    with pytest.raises(AssertionError, match="only send/recv"):
+        on_ranks(check_plain_ring, cheat, "plain_ring_allreduce", world_size=3)
+
+
+def test_finish_check_catches_an_unlaunched_unused_bucket(tmp_path):
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text('''from dpcourse.ddp import ScratchDDP, _write_average
+
+
+class ScratchDDP(ScratchDDP):
+    def _finish(self):
+        self.launched_in_backward = self._next
+        for i, bucket in enumerate(self.buckets):
+            if bucket.future is not None:
+                _write_average(self._hook, i, bucket, bucket.future.wait())
+            bucket.future = None
+        self._syncing = False
+''')
+    with pytest.raises(AssertionError, match="unused head"):
+        on_ranks(check_finish, lazy, "ScratchDDP")

@@ -1,14 +1,20 @@
 """Checkers for chapter 07's exercises (many processes, DistributedDataParallel by hand)."""
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DistributedSampler
 
+from ..comm_hooks import allreduce_hook
+from ..data_parallel import max_relative_difference
 from ..ddp import make_buckets
-from ..lenet import init_lenet_params
+from ..experiments.rank_demos import TwoHeads
+from ..lenet import init_lenet_params, lenet_model
 from . import answered, is_int, is_number
 
 RING_CASES = [(n, world) for world in (1, 2, 3, 4, 5, 8) for n in (0, 1, 2, 3, 5, 7, 10, 11, 1001)]
@@ -190,3 +196,265 @@ def check_bucket_sizes(bucket_sizes: Callable[..., list[int]] | None) -> None:
             return
     print("correct: the buckets of make_buckets; LeNet's at 0.25 MiB:",
           bucket_sizes_reference(lenet_numels(), 0.25), "elements")
+
+
+def ring_chunks_left_reference(rank: int, world: int, step: int) -> tuple[int, int]:
+    """The ring the other way: rank r sends to r - 1 and receives from r + 1, and still holds
+    the full sum of chunk r after the reduce-scatter."""
+    return (rank + step + 1) % world, (rank + step + 2) % world
+
+
+def play_ring(chunks: Callable[[int, int, int], tuple[int, int]], world: int,
+              left: bool) -> str:
+    """Play the ring's 2(world-1) steps on sets of contributions (which ranks' values a chunk
+    holds) with chunks(rank, world, step) -> (sent, received); "" if it sums right, else why."""
+    held = [[{r} for _ in range(world)] for r in range(world)]
+    for step in range(2 * (world - 1)):
+        plan = [tuple(chunks(r, world, step)) for r in range(world)]
+        if any(len(pair) != 2 or not all(is_int(c) and 0 <= c < world for c in pair)
+               for pair in plan):
+            return (f"in step {step} on {world} ranks: return two chunk numbers from 0 to "
+                    f"{world - 1}")
+        sent = [set(held[r][plan[r][0]]) for r in range(world)]
+        for r in range(world):
+            source = (r + 1) % world if left else (r - 1) % world
+            if plan[source][0] != plan[r][1]:
+                return (f"in step {step} on {world} ranks, rank {source} sends chunk "
+                        f"{plan[source][0]} to rank {r}, which expects chunk {plan[r][1]}")
+            if step < world - 1:
+                if held[r][plan[r][1]] & sent[source]:
+                    return (f"in step {step} on {world} ranks, rank {r} adds rank(s) "
+                            f"{sorted(held[r][plan[r][1]] & sent[source])}' values to chunk "
+                            f"{plan[r][1]} a second time")
+                held[r][plan[r][1]] |= sent[source]
+            else:
+                held[r][plan[r][1]] = sent[source]
+        if step == world - 2:
+            short = [r for r in range(world) if held[r][r] != set(range(world))]
+            if short:
+                return (f"on {world} ranks, after the reduce-scatter rank {short[0]} does not "
+                        f"hold the full sum of chunk {short[0]}")
+    everyone = set(range(world))
+    missing = [(r, c) for r in range(world) for c in range(world) if held[r][c] != everyone]
+    if missing:
+        return (f"on {world} ranks, at the end rank {missing[0][0]}'s chunk {missing[0][1]} is "
+                "not the full sum")
+    return ""
+
+
+def check_ring_left(ring_chunks_left: Callable[[int, int, int], tuple[int, int]] | None) -> None:
+    """Exercise 5: the chunk schedule of a ring that sends to the left, played on 2-7 ranks."""
+    if not answered(ring_chunks_left):
+        return
+    for world in range(2, 8):
+        why = play_ring(ring_chunks_left, world, left=True)
+        if why:
+            print(f"not quite: {why}")
+            return
+    print("correct: sending left, rank r sends chunk (r + s + 1) % world in step s and receives "
+          "(r + s + 2) % world; e.g. rank 0 of 4:",
+          [ring_chunks_left_reference(0, 4, s) for s in range(6)])
+
+
+# --- the parts you write: they run on the ranks (on_ranks); each check returns one line ------
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce",
+               "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all")
+
+
+@contextmanager
+def _point_to_point_only() -> Iterator[None]:
+    """Inside: every collective of torch.distributed raises an AssertionError that says so."""
+    saved = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the ring may use only send/recv (isend/irecv, P2POp): no "
+                             "collective such as dist.all_reduce")
+    try:
+        for name in COLLECTIVES:
+            setattr(dist, name, refuse)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _ring_values(rank: int, n: int) -> torch.Tensor:
+    """Rank's n int64 values for the ring's check, the same on every run."""
+    generator = torch.Generator().manual_seed(1000 * rank + n)
+    return torch.randint(-1000, 1000, (n,), generator=generator)
+
+
+def check_plain_ring(ring: Callable[[torch.Tensor], int]) -> str:
+    """On each rank: your plain_ring_allreduce sums int64 tensors of several sizes in place,
+    with send and receive only, and returns the elements this rank sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for n in (0, 1, 2, world, 10, 3001):
+        mine = _ring_values(rank, n)
+        with _point_to_point_only():
+            sent = ring(mine)
+        want = sum((_ring_values(r, n) for r in range(world)), torch.zeros(n, dtype=torch.int64))
+        wrong = (mine != want).nonzero()
+        assert len(wrong) == 0, (
+            f"{n} elements: element {wrong[0].item()} is {mine[wrong[0]].item()}, "
+            f"the sum over the ranks is {want[wrong[0]].item()}")
+        should = ring_sent_reference(n, world, rank)
+        assert sent == should, (f"{n} elements: returns {sent!r} elements sent, but "
+                                f"the chunks it sent hold {should}")
+    return (f"plain_ring_allreduce is right: the sum on {world} ranks for 0 to 3001 elements, "
+            "send and receive only, and the elements each rank sent")
+
+
+class _WithBuffer(nn.Module):
+    """Two parameters and a buffer (a BatchNorm's running mean), all filled from seed."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layer, self.norm = nn.Linear(4, 3), nn.BatchNorm1d(3)
+        self.norm.running_mean += torch.randn(3)
+
+
+def check_broadcast(broadcast_parameters: Callable[[nn.Module], None]) -> str:
+    """On each rank: your broadcast_parameters gives every rank rank 0's parameters and
+    buffers, as torch's DistributedDataParallel does at construction."""
+    rank = dist.get_rank()
+    model = _WithBuffer(seed=rank)
+    broadcast_parameters(model)
+    rank_0 = _WithBuffer(seed=0)
+    for (name, got), want in zip(model.state_dict().items(), rank_0.state_dict().values()):
+        if name.endswith("num_batches_tracked"):
+            continue
+        assert torch.equal(got, want), (
+            f"{name} is not rank 0's after broadcast_parameters"
+            + (": broadcast the buffers too (module.buffers())" if "running" in name else ""))
+    torch_ddp = nn.parallel.DistributedDataParallel(_WithBuffer(seed=rank))
+    assert all(torch.equal(a, b) for a, b in zip(torch_ddp.module.state_dict().values(),
+                                                 model.state_dict().values())), (
+        f"torch's DDP starts from other values than yours")
+    return ("broadcast_parameters is right: every rank holds rank 0's parameters and buffers, "
+            "as torch's DDP does")
+
+
+class _Recorder:
+    """A comm hook's state: what each call received (bucket index, a copy of the buffer)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, torch.Tensor, list, bool]] = []
+
+
+def _recording_hook(state: _Recorder, bucket: Any) -> torch.futures.Future:
+    state.calls.append((bucket.index(), bucket.buffer().clone(), bucket.parameters(),
+                        bucket.is_last()))
+    return allreduce_hook(None, bucket)
+
+
+def _shards(batch: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float64 batch drawn alike on every rank, and this rank's equal share of it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(7)
+    X = torch.randn(batch, 1, 28, 28, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    return X, y, X.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def _grads(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of the mean loss of a fresh copy of model's start on X, y."""
+    model.zero_grad()
+    F.cross_entropy(model(X), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _scratch_steps(cls: type, bucket_cap_mb: float) -> dict[str, Any]:
+    """Two ScratchDDP steps of LeNet (float64, started differently on every rank) with your
+    class; what the comm hook received, and the gradients against one process's."""
+    X, y, Xr, yr = _shards()
+    model = cls(lenet_model(seed=dist.get_rank()).double(), bucket_cap_mb)
+    record = _Recorder()
+    model.register_comm_hook(record, _recording_hook)
+    found: dict[str, Any] = {"steps": []}
+    for _ in range(2):
+        record.calls.clear()
+        model.module.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(Xr), yr)
+        try:
+            loss.backward()
+        except (NotImplementedError, AssertionError):
+            raise
+        except Exception as error:  # noqa: BLE001 - said in one line instead
+            raise AssertionError(f"backward failed: {type(error).__name__}: {error}") from None
+        found["steps"].append({"calls": list(record.calls),
+                               "launched in backward": model.launched_in_backward})
+    found["buckets"] = [b.params for b in model.buckets]
+    found["position"] = {id(p): k for k, p in enumerate(model.module.parameters())}
+    found["local"] = _grads(lenet_model(seed=0).double(), Xr, yr)
+    found["global"] = _grads(lenet_model(seed=0).double(), X, y)
+    found["got"] = [p.grad for p in model.module.parameters()]
+    return found
+
+
+def _flat_local(found: dict[str, Any], params: list) -> torch.Tensor:
+    """This rank's own (not averaged) gradients of params, flattened in order."""
+    return torch.cat([found["local"][found["position"][id(p)]].reshape(-1) for p in params])
+
+
+def _check_ddp_steps(cls: type, what: str) -> None:
+    """What every ScratchDDP part must give: each bucket handed to the comm hook once per
+    step, in index order, during backward, with this rank's finished gradients; and the
+    averaged gradients of one process on the whole batch in .grad."""
+    for cap in (0.0, 0.1):  # one bucket per parameter (8), then LeNet's 3
+        found = _scratch_steps(cls, cap)
+        buckets = found["buckets"]
+        for step in found["steps"]:
+            order = [c[0] for c in step["calls"]]
+            assert order == list(range(len(buckets))), (
+                f"{len(buckets)} buckets: the comm hook got buckets {order} in one "
+                f"backward; want each once, in index order {list(range(len(buckets)))}")
+            for i, flat, params, last in step["calls"]:
+                assert len(params) == len(buckets[i]) and all(
+                    p is q for p, q in zip(params, buckets[i])), (
+                    f"bucket {i} handed to the hook with other parameters than "
+                    "self.buckets[i].params")
+                assert last == (i == len(buckets) - 1), (
+                    f"bucket {i} says is_last()={last}")
+                local = _flat_local(found, buckets[i])
+                assert flat.shape == local.shape and torch.allclose(flat, local, rtol=1e-12,
+                                                                    atol=0), (
+                    f"bucket {i}'s buffer is not this rank's finished gradients "
+                    "of its parameters, flattened in order (launched before they were ready?)")
+            assert step["launched in backward"] == len(buckets), (
+                f"{len(buckets)} buckets: only {step['launched in backward']} "
+                "launched while backward ran; launch each as soon as it and those before it "
+                "are ready")
+        difference = max_relative_difference(found["got"], found["global"])
+        assert difference < 1e-12, (
+            f".grad differs from one process's gradient on the whole batch by "
+            f"{difference:.1e} of its scale (averaged and written back?)")
+    return f"{what} is right: buckets in index order during backward, gradients averaged"
+
+
+def check_grad_ready(cls: type) -> str:
+    """On each rank: ScratchDDP with your _grad_ready launches every bucket during backward,
+    in index order, once complete, and queues _finish; gradients equal one process's."""
+    return _check_ddp_steps(cls, "_grad_ready")
+
+
+def check_launch(cls: type) -> str:
+    """On each rank: ScratchDDP with your _launch hands the hook GradBucket(i, this rank's
+    flattened gradients, the bucket's parameters, is_last) and keeps its future."""
+    return _check_ddp_steps(cls, "_launch")
+
+
+def check_finish(cls: type) -> str:
+    """On each rank: ScratchDDP with your _finish launches what is left, waits for every
+    bucket and writes the averages into .grad; an unused layer gets zeros."""
+    line = _check_ddp_steps(cls, "_finish")
+    torch.manual_seed(0)  # TwoHeads: a layer unused in every step
+    net = TwoHeads()
+    model = cls(net, 0.0)
+    model(torch.randn(8, 4)).sum().backward()
+    grad = net.head_b.weight.grad
+    assert grad is not None and torch.equal(grad, torch.zeros_like(grad)), (
+        f"the unused head's gradient is {grad}, want zeros: launch the "
+        "buckets backward never completed before waiting")
+    return line + ", an unused layer's gradient zero"

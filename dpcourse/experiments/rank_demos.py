@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import tempfile
 import time
+from contextlib import nullcontext
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -16,10 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import p2p
+from ..comm_hooks import Traffic, counting_hook
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data_parallel import max_relative_difference
 from ..ddp import ScratchDDP, average_gradients, broadcast_parameters
 from ..lenet import lenet_model
+from .throughput import round_robin_seconds
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -62,6 +67,26 @@ def spawn_and_capture(fn: Callable[[], Any], timeout: float = 60.0) -> tuple[int
         return proc.exitcode, err.read().decode(errors="replace")
 
 
+def free_port() -> int:
+    """A TCP port free at this moment on this host: the system picks one for port 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def by_hand(rank: int, world: int, port: int) -> float:
+    """What launch does around a rank function, by hand: join the group, work, leave."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))  # gloo's default: 30 minutes
+    try:
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)  # 1 + 2 + ... + world, on every rank
+        return total.item()
+    finally:
+        dist.destroy_process_group()
+
+
 def p2p_against_all_reduce(numels: list[int]) -> list[dict]:
     """Per size: whether our two allreduces equal dist.all_reduce, and what each sent."""
     rank, rows = dist.get_rank(), []
@@ -70,12 +95,23 @@ def p2p_against_all_reduce(numels: list[int]) -> list[dict]:
         expected = x.clone()
         dist.all_reduce(expected)
         row = {"numel": n, "rank": rank}
-        for fn in (p2p.allreduce, p2p.ring_allreduce):
+        for fn in (p2p.allreduce, p2p.plain_ring_allreduce, p2p.ring_allreduce):
             y = x.clone()
             row[fn.__name__] = fn(y)  # elements sent
             row[f"{fn.__name__} equal"] = torch.equal(y, expected)
         rows.append(row)
     return rows
+
+
+RINGS: dict[str, Callable[[torch.Tensor], object]] = {
+    "dist.all_reduce": dist.all_reduce, "p2p.allreduce": p2p.allreduce,
+    "plain ring": p2p.plain_ring_allreduce, "pipelined ring": p2p.ring_allreduce}
+
+
+def ring_seconds(numels: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """Median seconds per call of gloo's all_reduce, the naive allreduce, the plain ring and
+    the pipelined one, on float32 tensors of each numel (alternated, after a warm-up)."""
+    return round_robin_seconds(RINGS, numels, repeats)
 
 
 def sgd_on_shards(model: nn.Module, batches: Batches, lr: float, rank: int = 0,
@@ -189,3 +225,29 @@ def unused_head(wrapper: str) -> dict[str, Any]:
         model(torch.randn(8, 4)).sum().backward()
     grad = net.head_b.weight.grad
     return {"head_b grad": None if grad is None else grad.abs().max().item()}
+
+
+def accumulation(X: torch.Tensor, y: torch.Tensor, micro: int) -> dict[str, dict[str, Any]]:
+    """One step of LeNet (X's dtype) on this rank's share of the global batch X, y, in micro
+    equal micro-batches, with ScratchDDP and torch's DDP: under no_sync() for all but the last,
+    or synchronising each; the gradient against one process's on the whole batch, and the
+    all_reduce calls and bytes each rank made (counting_hook)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = lenet_model(seed=0).to(X.dtype)
+    F.cross_entropy(reference(X), y).backward()
+    pieces = list(zip(X.chunk(world)[rank].chunk(micro), y.chunk(world)[rank].chunk(micro)))
+    found = {}
+    for wrapper in ("ScratchDDP", "torch DDP"):
+        for quiet in (True, False):
+            net, traffic = lenet_model(seed=rank).to(X.dtype), Traffic()
+            model = (ScratchDDP(net) if wrapper == "ScratchDDP"
+                     else nn.parallel.DistributedDataParallel(net))
+            model.register_comm_hook(traffic, counting_hook)
+            for j, (xb, yb) in enumerate(pieces):
+                with model.no_sync() if quiet and j < micro - 1 else nullcontext():
+                    (F.cross_entropy(model(xb), yb) / micro).backward()  # mean of the means
+            found[f"{wrapper}, {'no_sync' if quiet else 'every micro-batch'}"] = {
+                "difference": max_relative_difference([p.grad for p in net.parameters()],
+                                                      [q.grad for q in reference.parameters()]),
+                "calls": traffic.calls, "bytes": traffic.bytes}
+    return found
