@@ -248,3 +248,39 @@ class ScratchDDP(ScratchDDP):
 ''')
     with pytest.raises(AssertionError, match="unused head"):
         on_ranks(check_finish, lazy, "ScratchDDP")
+
+
+def test_grad_ready_check_names_a_finish_that_never_ran(tmp_path):
+    unqueued = tmp_path / "unqueued.py"  # launches buckets but never queues _finish
+    unqueued.write_text('''from dpcourse.ddp import ScratchDDP
+
+
+class ScratchDDP(ScratchDDP):
+    def _grad_ready(self, param):
+        if not self._syncing:
+            return
+        self.buckets[self._where[param]].ready += 1
+        while (self._next < len(self.buckets)
+               and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
+            self._launch(self._next)
+''')
+    with pytest.raises(AssertionError, match="_finish never ran"):
+        on_ranks(check_grad_ready, unqueued, "ScratchDDP")
+
+
+def test_finish_check_wants_the_futures_dropped(tmp_path):
+    keeps = tmp_path / "keeps.py"
+    keeps.write_text('''from dpcourse.ddp import ScratchDDP, _write_average
+
+
+class ScratchDDP(ScratchDDP):
+    def _finish(self):
+        self.launched_in_backward = self._next
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        for i, bucket in enumerate(self.buckets):
+            _write_average(self._hook, i, bucket, bucket.future.wait())
+        self._syncing = False
+''')
+    with pytest.raises(AssertionError, match="still hold a future"):
+        on_ranks(check_finish, keeps, "ScratchDDP")

@@ -383,7 +383,8 @@ def _scratch_steps(cls: type, bucket_cap_mb: float) -> dict[str, Any]:
             raise
         except Exception as error:  # noqa: BLE001 - said in one line instead
             raise AssertionError(f"backward failed: {type(error).__name__}: {error}") from None
-        found["steps"].append({"calls": list(record.calls),
+        found["steps"].append({"calls": list(record.calls), "finished": not model._syncing,
+                               "futures left": sum(b.future is not None for b in model.buckets),
                                "launched in backward": model.launched_in_backward})
     found["buckets"] = [b.params for b in model.buckets]
     found["position"] = {id(p): k for k, p in enumerate(model.module.parameters())}
@@ -406,6 +407,11 @@ def _check_ddp_steps(cls: type, what: str) -> None:
         found = _scratch_steps(cls, cap)
         buckets = found["buckets"]
         for step in found["steps"]:
+            assert step["finished"], ("backward ended but _finish never ran: queue it once per "
+                                      "backward with queue_callback in _grad_ready")
+            assert not step["futures left"], (
+                f"{step['futures left']} buckets still hold a future after backward: set "
+                "bucket.future = None once its average is written")
             order = [c[0] for c in step["calls"]]
             assert order == list(range(len(buckets))), (
                 f"{len(buckets)} buckets: the comm hook got buckets {order} in one "
