@@ -3,7 +3,11 @@
 Each `check_*` prints whether an answer is right and, if not, why; the chapter notebooks and
 their worked solutions (solutions/) call the same functions.
 """
+from contextlib import contextmanager
 from numbers import Integral, Real
+from typing import Iterable, Iterator
+
+import torch.distributed as dist
 
 
 def answered(answer: object) -> bool:
@@ -21,3 +25,19 @@ def is_int(answer: object) -> bool:
 def is_number(answer: object) -> bool:
     """Whether answer is a real number (not True/False)."""
     return isinstance(answer, Real) and not isinstance(answer, bool)
+
+
+@contextmanager
+def forbidden(names: Iterable[str], message: str) -> Iterator[None]:
+    """Inside: each named torch.distributed function raises AssertionError(message)."""
+    saved = {name: getattr(dist, name) for name in names}
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(message)
+    try:
+        for name in saved:
+            setattr(dist, name, refuse)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)

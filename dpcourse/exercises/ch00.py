@@ -12,7 +12,23 @@ import torch
 
 from . import answered as _answered, is_int as _is_int
 
-LETTERS = "abcdef"  # the expressions of exercise 2
+LETTERS = "abcdef"  # the expressions of exercises 2 and 7
+
+
+def _letters(answer: Iterable[str] | None) -> set[str] | None:
+    """The set of letters a to f in answer, or None after saying what is wrong with it."""
+    if not _answered(answer):
+        return None
+    if isinstance(answer, str) or not isinstance(answer, (set, frozenset, list, tuple)):
+        print(f'not quite: give a set of letters such as {{"a", "f"}}, not the '
+              f"{type(answer).__name__} {answer!r}")
+        return None
+    letters = {str(letter).strip().lower() for letter in answer}
+    unknown = sorted(letters - set(LETTERS))
+    if unknown:
+        print(f"not quite: give a set of letters from a to f; {unknown} is not one of them")
+        return None
+    return letters
 
 
 def check_batch_bytes(answer: int | None) -> None:
@@ -35,16 +51,8 @@ def check_batch_bytes(answer: int | None) -> None:
 
 def check_shares(answer: Iterable[str] | None) -> None:
     """Says whether answer is the set of letters whose expression shares memory with x."""
-    if not _answered(answer):
-        return
-    if isinstance(answer, str) or not isinstance(answer, (set, frozenset, list, tuple)):
-        print(f'not quite: give a set of letters such as {{"a", "f"}}, not the '
-              f"{type(answer).__name__} {answer!r}")
-        return
-    letters = {str(letter).strip().lower() for letter in answer}
-    unknown = sorted(letters - set(LETTERS))
-    if unknown:
-        print(f"not quite: give a set of letters from a to f; {unknown} is not one of them")
+    letters = _letters(answer)
+    if letters is None:
         return
     x = torch.arange(3.0)
     candidates = {"a": x.numpy(), "b": torch.from_numpy(x.numpy()),
@@ -176,16 +184,8 @@ CONVERSIONS = {"a": "x.to(torch.float32)", "b": "x.double()", "c": "x.contiguous
 def check_no_copy(answer: Iterable[str] | None) -> None:
     """Exercise 7: the letters of CONVERSIONS that return x's own memory for the float32,
     contiguous x = torch.arange(6.0).reshape(2, 3); each expression is tested for real."""
-    if not _answered(answer):
-        return
-    if isinstance(answer, str) or not isinstance(answer, (set, frozenset, list, tuple)):
-        print(f'not quite: give a set of letters such as {{"a", "f"}}, not the '
-              f"{type(answer).__name__} {answer!r}")
-        return
-    letters = {str(letter).strip().lower() for letter in answer}
-    unknown = sorted(letters - set(CONVERSIONS))
-    if unknown:
-        print(f"not quite: give letters from a to f; {unknown} is not one of them")
+    letters = _letters(answer)
+    if letters is None:
         return
     x = torch.arange(6.0).reshape(2, 3)
     memory = x.untyped_storage().data_ptr()

@@ -1,8 +1,7 @@
 """Checkers for chapter 07's exercises (many processes, DistributedDataParallel by hand)."""
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -15,7 +14,7 @@ from ..data_parallel import max_relative_difference
 from ..ddp import make_buckets
 from ..experiments.rank_demos import TwoHeads
 from ..lenet import init_lenet_params, lenet_model
-from . import answered, is_int, is_number
+from . import answered, forbidden, is_int, is_number
 
 RING_CASES = [(n, world) for world in (1, 2, 3, 4, 5, 8) for n in (0, 1, 2, 3, 5, 7, 10, 11, 1001)]
 
@@ -262,23 +261,6 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduc
                "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all")
 
 
-@contextmanager
-def _point_to_point_only() -> Iterator[None]:
-    """Inside: every collective of torch.distributed raises an AssertionError that says so."""
-    saved = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("the ring may use only send/recv (isend/irecv, P2POp): no "
-                             "collective such as dist.all_reduce")
-    try:
-        for name in COLLECTIVES:
-            setattr(dist, name, refuse)
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def _ring_values(rank: int, n: int) -> torch.Tensor:
     """Rank's n int64 values for the ring's check, the same on every run."""
     generator = torch.Generator().manual_seed(1000 * rank + n)
@@ -291,7 +273,8 @@ def check_plain_ring(ring: Callable[[torch.Tensor], int]) -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
     for n in (0, 1, 2, world, 10, 3001):
         mine = _ring_values(rank, n)
-        with _point_to_point_only():
+        with forbidden(COLLECTIVES, "the ring may use only send/recv (isend/irecv, P2POp): "
+                       "no collective such as dist.all_reduce"):
             sent = ring(mine)
         want = sum((_ring_values(r, n) for r in range(world)), torch.zeros(n, dtype=torch.int64))
         wrong = (mine != want).nonzero()
