@@ -65,3 +65,18 @@ class LeNet(nn.Module):
 def lenet_model(seed: int = 0) -> LeNet:
     """The course's LeNet as an nn.Module, weights drawn from seed at the CPU scale 0.1."""
     return LeNet(init_lenet_params(seed, scale=0.1))
+
+
+@torch.no_grad()
+def lenet_layers(seed: int = 0) -> nn.Sequential:
+    """The same LeNet (the same weights as lenet_model(seed)) built from nn.Conv2d and nn.Linear
+    layers, which a wrapper can take one by one (chapter 10's units)."""
+    W1, b1, W2, b2, W3, b3, W4, b4 = init_lenet_params(seed, scale=0.1)
+    model = nn.Sequential(nn.Conv2d(1, 20, 3), nn.ReLU(), nn.AvgPool2d(2),
+                          nn.Conv2d(20, 50, 5), nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(),
+                          nn.Linear(800, 128), nn.ReLU(), nn.Linear(128, 10))
+    layers = [m for m in model if isinstance(m, (nn.Conv2d, nn.Linear))]
+    for layer, weight, bias in zip(layers, (W1, W2, W3.T, W4.T), (b1, b2, b3, b4)):
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+    return model
