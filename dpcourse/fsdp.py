@@ -295,9 +295,9 @@ class ScratchFSDP(nn.Module):
         """Scale every shard's gradient so that the 2-norm over all ranks' shards is at most
         max_norm (as torch.nn.utils.clip_grad_norm_ on the whole model); return that norm."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        squares = torch.zeros((), device=self.shards[0].device)
+        squares = torch.zeros((), dtype=self.shards[0].dtype, device=self.shards[0].device)
         for grad in grads:
-            squares += grad.float().square().sum()
+            squares += grad.square().sum()
         dist.all_reduce(squares)  # the local shard's norm alone is a classic mistake
         norm = squares.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's formula
