@@ -4,8 +4,9 @@
 
 Each process reads RANK, LOCAL_RANK and WORLD_SIZE from torchrun, joins the group (nccl with
 one GPU per process, else gloo on the CPU), trains its share of every global batch
-(``DistributedSampler``) under ``ScratchDDP`` or torch's DDP, and checks at the end that every
-replica holds the same parameters. Without torchrun (``python -m dpcourse.train_ddp``) it runs
+(``DistributedSampler``) under ``ScratchDDP``, torch's DDP or ``ScratchFSDP`` (chapter 10: each
+rank keeps 1/k of the parameters), and checks at the end that every replica holds the same
+parameters. Without torchrun (``python -m dpcourse.train_ddp``) it runs
 as one process of a world of size 1: the same code path, handy for debugging and as a reference.
 """
 from __future__ import annotations
@@ -31,8 +32,9 @@ from .checkpoint import unwrap
 from .concise import make_resnet18
 from .data import SOURCES, Images, fashion_mnist, resolve_source
 from .ddp import ScratchDDP
+from .fsdp import ScratchFSDP
 from .launch import exit_without_shutdown
-from .lenet import lenet_model
+from .lenet import lenet_layers, lenet_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          help="dpcourse.ddp.ScratchDDP (default)")
     wrapper.add_argument("--torch", dest="ddp", action="store_const", const="torch",
                          help="torch.nn.parallel.DistributedDataParallel")
+    wrapper.add_argument("--fsdp", dest="ddp", action="store_const", const="fsdp",
+                         help="dpcourse.fsdp.ScratchFSDP, one unit per layer (LeNet as "
+                              "lenet_layers) or per child module (ResNet-18)")
     p.set_defaults(ddp="scratch")
     p.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
                    help="resume from PATH if it exists; rank 0 writes it each epoch and at the end")
@@ -106,19 +111,27 @@ def load_train_data(size: int, source: str | None) -> Images:
     return data if first else fashion_mnist("train", size, chosen[0])
 
 
-def build_model(name: str, seed: int, device: torch.device) -> nn.Module:
-    """LeNet (scale 0.1, the course's CPU setting) or the course's ResNet-18, on device."""
+def build_model(name: str, seed: int, device: torch.device, layers: bool = False) -> nn.Module:
+    """LeNet (scale 0.1, the course's CPU setting; as nn layers if layers) or the course's
+    ResNet-18, on device."""
     if name == "lenet":
-        return lenet_model(seed).to(device)
+        return (lenet_layers(seed) if layers else lenet_model(seed)).to(device)
     return make_resnet18(device, seed)
 
 
 def save_training_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, epoch: int,
                         step: int) -> None:
-    """Rank 0 writes path atomically (temp file, then rename); every rank waits for it."""
+    """Rank 0 writes path atomically (temp file, then rename); every rank waits for it.
+    Under ScratchFSDP the parameters are gathered whole and the optimizer's state is the list
+    of every rank's (each holds its shard's)."""
+    if isinstance(model, ScratchFSDP):  # collectives: every rank takes part
+        weights = model.full_state_dict()
+        shards = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(opt.state_dict(), shards, dst=0)
+    else:
+        weights, shards = unwrap(model).state_dict(), opt.state_dict()
     if dist.get_rank() == 0:
-        state = {"model": unwrap(model).state_dict(), "optimizer": opt.state_dict(),
-                 "epoch": epoch, "step": step}
+        state = {"model": weights, "optimizer": shards, "epoch": epoch, "step": step}
         tmp = path.with_name(path.name + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -130,8 +143,12 @@ def load_training_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer
                         device: torch.device) -> tuple[int, int]:
     """Every rank loads path onto its own device; returns (epoch, step) to resume from."""
     state = torch.load(path, map_location=device, weights_only=True)
-    unwrap(model).load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+    if isinstance(model, ScratchFSDP):
+        model.load_full_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"][dist.get_rank()])
+    else:
+        unwrap(model).load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
     say(f"Loaded {path}: resuming from epoch {state['epoch']}, step {state['step']}")
     return state["epoch"], state["step"]
 
@@ -156,16 +173,22 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
     loader = DataLoader(data, args.batch_size, sampler=sampler,
                         pin_memory=device.type == "cuda")
-    model = build_model(args.model, args.seed, device)
+    model = build_model(args.model, args.seed, device, layers=args.ddp == "fsdp")
+    if args.ddp == "fsdp":
+        model = ScratchFSDP(model)  # before the optimizer, which then holds the shards only
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     epoch = step = 0
     if args.checkpoint is not None and args.checkpoint.exists():
         epoch, step = load_training_state(args.checkpoint, model, opt, device)
-    model = ScratchDDP(model) if args.ddp == "scratch" else DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.ddp == "scratch":
+        model = ScratchDDP(model)
+    elif args.ddp == "torch":
+        model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
     limit = args.steps if args.steps is not None else float("inf")
     total = min(limit, args.epochs * len(loader))
-    bar = tqdm(total=max(total, step), initial=step, desc=f"{args.ddp} DDP",
+    bar = tqdm(total=max(total, step), initial=step,
+               desc="FSDP" if args.ddp == "fsdp" else f"{args.ddp} DDP",
                disable=dist.get_rank() != 0)
     images, loss, start = 0, torch.full((), float("nan"), device=device), time.perf_counter()
     for epoch in range(epoch, args.epochs):
@@ -190,10 +213,14 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     seconds = time.perf_counter() - start
     summary = torch.tensor([float(images), loss.item()], device=device)
     dist.all_reduce(summary)
-    check_replicas_agree(model)
     world = dist.get_world_size()
+    if args.ddp == "fsdp":
+        held = f"each rank holds 1/{world} of the parameters"
+    else:
+        check_replicas_agree(model)
+        held = "replicas identical"
     say(f"Done: {step} steps, {summary[0].item() / seconds:,.0f} images/s (all {world} processes), "
-        f"final loss {summary[1].item() / world:.4f} (mean over ranks); replicas identical")
+        f"final loss {summary[1].item() / world:.4f} (mean over ranks); {held}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -120,3 +120,27 @@ def test_without_torchrun_main_runs_as_a_world_of_one(tmp_path, monkeypatch, cap
     assert "running as a single process (world size 1)" in capsys.readouterr().out
     assert not torch.distributed.is_initialized()  # the group was destroyed
     assert_same_parameters(load(path)["model"], one_process(2, world=1))
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory) -> dict:
+    """ScratchFSDP (LeNet as layers): 3 steps with a checkpoint, then a second run to 5."""
+    path = tmp_path_factory.mktemp("fsdp") / "ckpt.pt"
+    first = torchrun("--fsdp", "--steps", "3", "--checkpoint", str(path))
+    second = torchrun("--fsdp", "--steps", "5", "--checkpoint", str(path))
+    return {"first": first, "second": second, "at_5": load(path)}
+
+
+def as_lenet(layers: dict) -> dict:
+    """lenet_layers' state dict in LeNet's keys (its dense weights are the layers' transposed)."""
+    names = ["0.weight", "0.bias", "3.weight", "3.bias", "7.weight", "7.bias", "9.weight",
+             "9.bias"]
+    return {f"params.{i}": layers[name].T if name in ("7.weight", "9.weight") else layers[name]
+            for i, name in enumerate(names)}
+
+
+def test_fsdp_with_a_resume_equals_one_process_on_the_global_batches(fsdp):
+    assert "each rank holds 1/2 of the parameters" in fsdp["first"]
+    assert "resuming from epoch 0, step 3" in fsdp["second"]
+    assert len(fsdp["at_5"]["optimizer"]) == WORLD  # each rank's state of its shards
+    assert_same_parameters(as_lenet(fsdp["at_5"]["model"]), one_process(5, WORLD))
