@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.int64)
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.float16)
 # The ring streams its chunks in pieces of at most 2 MiB (gloo's own ring uses 1 MiB
 # segments; on a 2-core CPU 2 MiB measured a little faster, 512 KiB slower).
 PIECE_BYTES = 2 << 20

@@ -183,11 +183,11 @@ def sgd_update(model: nn.Module, before: dict[str, torch.Tensor]) -> dict[str, t
     return {k: before[k] - after[k] for k in before}
 
 
-def bf16_checks() -> dict[str, Any]:
+def bf16_checks(ring: bool = False) -> dict[str, Any]:
     """One step's averaged gradient with compute_dtype=bfloat16 (float32 master weights),
     and the bytes gathered and reduce-scattered in it."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = ScratchFSDP(small_net(rank), compute_dtype=torch.bfloat16)
+    model = ScratchFSDP(small_net(rank), compute_dtype=torch.bfloat16, ring=ring)
     before = model.full_state_dict()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     one_step_gradients(model, rank, world, torch.float32)
@@ -287,6 +287,6 @@ def error_checks() -> dict[str, str]:
 
 def extra_checks() -> dict[str, Any]:
     """Everything but training, in one launch."""
-    return {"bf16": bf16_checks(), "clip": {m: clip_checks(m) for m in (0.05, 100.0)},
+    return {"bf16": bf16_checks(), "bf16 ring": bf16_checks(ring=True), "clip": {m: clip_checks(m) for m in (0.05, 100.0)},
             "state_dict": state_dict_checks(), "timeline": timeline_checks(),
             "errors": error_checks()}

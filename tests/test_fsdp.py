@@ -81,11 +81,12 @@ def test_between_steps_a_rank_holds_only_its_shard_of_each_unit(trained, world, 
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_bfloat16_compute_matches_one_process_with_the_same_casts(checked, world):
+@pytest.mark.parametrize("way", ["bf16", "bf16 ring"])
+def test_bfloat16_compute_matches_one_process_with_the_same_casts(checked, world, way):
     expected = fsdp_workers.bf16_reference()
     for r in checked[world]:
-        assert all(dtype == torch.float32 for dtype in r["bf16"]["master_dtypes"])
-        for key, gradient in r["bf16"]["gradient"].items():
+        assert all(dtype == torch.float32 for dtype in r[way]["master_dtypes"])
+        for key, gradient in r[way]["gradient"].items():
             scale = expected["float32"][key].abs().max().item()
             torch.testing.assert_close(gradient, expected["bfloat16"][key], rtol=0,
                                        atol=BF16_SHARE * scale, msg=key)

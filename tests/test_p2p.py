@@ -98,7 +98,7 @@ def test_forbidding_collectives_really_forbids_them():
 def test_clear_errors_for_unsupported_input(fn):
     with pytest.raises(TypeError, match="torch.Tensor"):
         fn([1.0, 2.0])
-    with pytest.raises(TypeError, match="supports float32, float64, int64; got torch.int32"):
+    with pytest.raises(TypeError, match="supports float32, float64, int64, bfloat16, float16; got torch.int32"):
         fn(torch.zeros(3, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="default process group"):
         fn(torch.zeros(3))
