@@ -120,7 +120,7 @@ class ScratchFSDP(nn.Module):
         self.module, self.prefetch, self.ring = module, prefetch, ring
         self.compute_dtype = compute_dtype
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self._keys = list(module.state_dict(keep_vars=True))  # what full_state_dict returns
+        self._shapes = {k: t.shape for k, t in module.state_dict().items()}  # full_state_dict's
         self.units = _build_units(module, units)
         self.shards = nn.ParameterList([unit.shard for unit in self.units])
         with torch.no_grad():  # frozen parameters and buffers: rank 0's, whole on every rank
@@ -308,47 +308,36 @@ class ScratchFSDP(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict, on every rank: the keys of module.state_dict() before
-        wrapping, CPU tensors (the parameters float32, as the shards)."""
-        values: dict[int, torch.Tensor] = {}
+        wrapping, CPU tensors (the parameters in the shards' dtype, float32 master weights)."""
+        gathered = {}
         for unit in self.units:
             full = unit.shard.new_empty(unit.shard.numel() * self.world)
             _all_gather(full, unit.shard.detach())
             for owners, view in zip(unit.owners, unflatten(full, unit.shapes)):
-                for owner, attr, _ in owners:
-                    values[id(owner), attr] = view.cpu().clone()
-        out = {}
-        for key in self._keys:
-            owner, attr = _owner_of(self.module, key)
-            found = values.get((id(owner), attr))
-            out[key] = found if found is not None else getattr(owner, attr).detach().cpu().clone()
-        return out
+                gathered.update({name: view.cpu().clone() for _, _, name in owners})
+        return {key: gathered[key] if key in gathered else
+                getattr(*_owner_of(self.module, key)).detach().cpu().clone()
+                for key in self._shapes}
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load an unsharded state dict (full_state_dict's keys; the same on every rank)."""
-        missing, unexpected = set(self._keys) - set(state_dict), set(state_dict) - set(self._keys)
+        missing, unexpected = self._shapes.keys() - state_dict, state_dict.keys() - self._shapes
         if missing or unexpected:
             raise KeyError(f"load_full_state_dict: missing keys {sorted(missing)[:5]}, "
                            f"unexpected keys {sorted(unexpected)[:5]}")
-        full: dict[tuple[int, str], torch.Tensor] = {}
-        for key in self._keys:
-            owner, attr = _owner_of(self.module, key)
-            current = getattr(owner, attr)
-            if isinstance(current, NotGathered):
-                full[id(owner), attr] = state_dict[key]
-            elif state_dict[key].shape != current.shape:
+        for key, shape in self._shapes.items():
+            if state_dict[key].shape != shape:
                 raise ValueError(f"load_full_state_dict: {key} has shape "
-                                 f"{tuple(state_dict[key].shape)}, the module's {tuple(current.shape)}")
-            else:
-                current.copy_(state_dict[key])
+                                 f"{tuple(state_dict[key].shape)}, the module's {tuple(shape)}")
+        sharded = set()
         for unit in self.units:
-            tensors = [full[id(owners[0][0]), owners[0][1]] for owners in unit.owners]
-            for (_, _, name), shape, t in zip([o[0] for o in unit.owners], unit.shapes, tensors):
-                if t.shape != shape:
-                    raise ValueError(f"load_full_state_dict: {name} has shape {tuple(t.shape)}, "
-                                     f"the module's {tuple(shape)}")
-            flat = torch.cat([t.reshape(-1) for t in tensors]).to(unit.shard)
+            names = [owners[0][2] for owners in unit.owners]
+            flat = torch.cat([state_dict[name].reshape(-1) for name in names]).to(unit.shard)
             unit.shard.copy_(flat_shard(flat, self.rank, self.world))
+            sharded.update(name for owners in unit.owners for _, _, name in owners)
+        for key in self._shapes.keys() - sharded:  # frozen parameters and buffers
+            getattr(*_owner_of(self.module, key)).copy_(state_dict[key])
 
 
 def _build_units(module: nn.Module, units: Iterable[nn.Module] | None) -> list[Unit]:
