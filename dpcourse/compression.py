@@ -1,0 +1,105 @@
+"""Chapter 11: communicating fewer bytes - gradients cast to bfloat16, or approximated by
+PowerSGD's low-rank factors with error feedback.
+
+Each is a communication hook, ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``,
+so one function registers on torch's ``DistributedDataParallel.register_comm_hook`` and on
+``ScratchDDP.register_comm_hook`` alike (chapter 07's seam). PowerSGD is Vogels, Karimireddy
+and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization",
+NeurIPS 2019 (arXiv:1905.13727), algorithm 1 with error feedback and warm start. (No
+``from __future__ import annotations``: torch's DDP checks a hook's annotations.)
+"""
+import torch
+import torch.distributed as dist
+
+from .comm_hooks import allreduce_hook
+
+__all__ = ["allreduce_hook", "bf16_hook", "PowerSGDState", "powersgd_hook"]
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future that already holds value."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def bf16_hook(group: dist.ProcessGroup | None,
+              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket in bfloat16: half the bytes of float32, 8 significant bits."""
+    buffer = bucket.buffer()
+    half = buffer.div(dist.get_world_size(group)).to(torch.bfloat16)
+    dist.all_reduce(half, group=group)
+    return _done(buffer.copy_(half))
+
+
+class PowerSGDState:
+    """powersgd_hook's state: the rank of the approximation, when compression starts, and per
+    parameter its last Q (warm start) and its error (what was not sent yet)."""
+
+    def __init__(self, matrix_rank: int, start_step: int = 2, error_feedback: bool = True,
+                 seed: int = 0) -> None:
+        if matrix_rank < 1 or start_step < 0:
+            raise ValueError(f"need matrix_rank >= 1 and start_step >= 0, got {matrix_rank}, "
+                             f"{start_step}")
+        self.matrix_rank, self.start_step = matrix_rank, start_step
+        self.error_feedback, self.seed = error_feedback, seed
+        self.step = 0  # synchronised backward passes so far (counted at each last bucket)
+        self.qs: dict[torch.Tensor, torch.Tensor] = {}
+        self.errors: dict[torch.Tensor, torch.Tensor] = {}
+        self.bytes_sent = 0  # payload bytes this rank handed to all_reduce
+
+    def initial_q(self, grad: torch.Tensor, rank: int) -> torch.Tensor:
+        """The same random orthonormal m x rank matrix on every rank, whatever the buckets'
+        layout (drawn from seed and the n x m grad's shape)."""
+        n, m = grad.shape
+        g = torch.Generator().manual_seed(hash((self.seed, n, m, rank)) % 2**63)
+        q = torch.randn(m, rank, generator=g, dtype=torch.float64)
+        return torch.linalg.qr(q).Q.to(grad)
+
+
+def powersgd_hook(state: PowerSGDState,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket exactly until state.start_step, then each matrix-shaped gradient
+    (a conv kernel as shape[0] x the rest) as a rank-r product P Q^T: r(n + m) numbers sent
+    instead of n m. Vectors (biases) are averaged uncompressed."""
+    world, buffer = dist.get_world_size(), bucket.buffer()
+    params = bucket.parameters()
+    if state.step < state.start_step:
+        state.bytes_sent += buffer.nbytes
+        dist.all_reduce(buffer.div_(world))
+    else:
+        pieces = buffer.split([p.numel() for p in params])
+        vectors = [piece for p, piece in zip(params, pieces) if p.dim() <= 1]
+        if vectors:
+            flat = torch.cat(vectors).div_(world)
+            state.bytes_sent += flat.nbytes
+            dist.all_reduce(flat)
+            for piece, average in zip(vectors, flat.split([v.numel() for v in vectors])):
+                piece.copy_(average)
+        for p, piece in zip(params, pieces):
+            if p.dim() > 1:
+                piece.copy_(low_rank_average(state, p, piece.view(p.shape[0], -1)).reshape(-1))
+    if bucket.is_last():
+        state.step += 1
+    return _done(buffer)
+
+
+def low_rank_average(state: PowerSGDState, param: torch.Tensor,
+                     grad: torch.Tensor) -> torch.Tensor:
+    """One power iteration on this rank's n x m grad (plus its error): the rank-r
+    approximation P Q^T of the average over the ranks, with P orthonormal."""
+    n, m = grad.shape
+    rank = min(state.matrix_rank, n, m)  # at min(n, m) the approximation is exact
+    M = grad + state.errors[param] if param in state.errors else grad.clone()
+    q = state.qs[param] if param in state.qs else state.initial_q(grad, rank)
+    p = M @ q
+    dist.all_reduce(p)
+    p = torch.linalg.qr(p).Q  # orthonormal columns: the sum's scale does not matter
+    q = M.T @ p
+    dist.all_reduce(q.div_(dist.get_world_size()))
+    state.bytes_sent += p.nbytes + q.nbytes
+    state.qs[param] = q  # warm start for the next step
+    approx = p @ q.T
+    if state.error_feedback:
+        state.errors[param] = M - approx  # what was not sent, added to the next gradient
+    return approx

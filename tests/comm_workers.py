@@ -1,0 +1,133 @@
+"""What the chapter 11 tests (compression hooks, DiLoCo) launch on every rank; ranks import it
+from tests/ (pytest's sys.path, via spawn)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dpcourse.compression import PowerSGDState, allreduce_hook, bf16_hook, powersgd_hook
+from dpcourse.ddp import GradBucket, ScratchDDP
+from dpcourse.local_sgd import DiLoCo
+
+STEPS = 6
+
+
+def net(seed: int, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A small conv net: a 4-d kernel, matrices and biases."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(4 * 6 * 6, 12), nn.Tanh(), nn.Linear(12, 10)).to(dtype)
+
+
+def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step's global batch of 12 images (float64), this rank's share of it."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(12, 1, 6, 6, generator=g, dtype=torch.float64)
+    return x.chunk(world)[rank], torch.randint(0, 10, (12,), generator=g).chunk(world)[rank]
+
+
+def train(model: nn.Module, opt: Any, steps: int, rank: int = 0, world: int = 1,
+          after_step: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+    """steps steps of mean cross-entropy on this rank's share; the final state."""
+    dtype = next(model.parameters()).dtype
+    for step in range(steps):
+        x, y = batch(step, rank, world)
+        opt.zero_grad()
+        F.cross_entropy(model(x.to(dtype)), y).backward()
+        opt.step()
+        if after_step is not None:
+            after_step()
+    inner = getattr(model, "module", model)
+    return {k: v.detach().clone() for k, v in inner.state_dict().items()}
+
+
+HOOKS: dict[str, Callable[[], tuple[Any, Callable]]] = {
+    "allreduce": lambda: (None, allreduce_hook), "bf16": lambda: (None, bf16_hook),
+    "powersgd": lambda: (PowerSGDState(2, start_step=1), powersgd_hook),
+    "powersgd full rank": lambda: (PowerSGDState(10_000, start_step=0), powersgd_hook)}
+
+
+def hooked(wrapper: str, hook: str, dtype: torch.dtype = torch.float64) -> dict[str, Any]:
+    """STEPS SGD steps under wrapper ("scratch", "torch", "none": plain DDP) with hook."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = net(rank, dtype)
+    ddp = ScratchDDP(model) if wrapper == "scratch" else DistributedDataParallel(model)
+    state = None
+    if hook != "none":
+        state, fn = HOOKS[hook]()
+        ddp.register_comm_hook(state, fn)
+    final = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.2), STEPS, rank, world)
+    return {"state": final, "bytes_sent": getattr(state, "bytes_sent", None)}
+
+
+def hook_checks() -> dict[str, Any]:
+    """Every hook on both DDPs, and plain torch DDP (the reference) in float64 and float32."""
+    out = {(w, h): hooked(w, h) for w in ("scratch", "torch") for h in HOOKS}
+    out["scratch", "none"] = hooked("scratch", "none")
+    out["bf16 in float32"] = hooked("scratch", "bf16", torch.float32)
+    out["plain in float32"] = hooked("scratch", "none", torch.float32)
+    out["powersgd bytes"] = powersgd_bytes()
+    out["error feedback"] = error_feedback_sums()
+    return out
+
+
+def powersgd_bytes() -> dict[str, int]:
+    """Bytes one step sends: before start_step (everything) and compressed at rank 2."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = ScratchDDP(net(rank))
+    state = PowerSGDState(2, start_step=1)
+    ddp.register_comm_hook(state, powersgd_hook)
+    sent = []
+    for step in range(2):
+        x, y = batch(step, rank, world)
+        F.cross_entropy(ddp(x), y).backward()
+        sent.append(state.bytes_sent - sum(sent))
+    return {"plain": sent[0], "compressed": sent[1]}
+
+
+def error_feedback_sums(steps: int = 5) -> dict[str, torch.Tensor]:
+    """A 6 x 5 matrix gradient, random on every rank and step, through powersgd_hook at rank
+    1 with error feedback: the sum of what arrived, the ranks' mean error at the end, and the
+    sum of the true averages."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    param = nn.Parameter(torch.zeros(6, 5, dtype=torch.float64))
+    state = PowerSGDState(1, start_step=0)
+    arrived, true = torch.zeros(6, 5, dtype=torch.float64), torch.zeros(6, 5, dtype=torch.float64)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        grad = torch.randn(6, 5, generator=g, dtype=torch.float64)
+        average = grad.clone()
+        dist.all_reduce(average)
+        true += average / world
+        bucket = GradBucket(0, grad.reshape(-1).clone(), [param], True)
+        arrived += powersgd_hook(state, bucket).wait().view(6, 5)
+    error = state.errors[param].clone()
+    dist.all_reduce(error)
+    return {"arrived": arrived, "mean_error": error / world, "true": true}
+
+
+def diloco_checks() -> dict[str, Any]:
+    """DiLoCo as DDP (sync_every=1, SGD inside, outer lr 1, no momentum) against torch's DDP;
+    and DiLoCo proper (AdamW inside, Nesterov outside, sync every 3): the parameters every
+    rank holds after each sync, and the bytes sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = net(rank)
+    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.2), 1, outer_lr=1.0,
+                 outer_momentum=0.0)
+    as_ddp = train(model, opt, STEPS, rank, world)
+    ddp = DistributedDataParallel(net(0))
+    reference = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.2), STEPS, rank, world)
+    model = net(rank)
+    opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=0.01), 3)
+    synced = []
+    train(model, opt, STEPS, rank, world, after_step=lambda: synced.append(
+        torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+        if opt.inner_steps % 3 == 0 else None))
+    return {"as_ddp": as_ddp, "ddp": reference, "synced": [s for s in synced if s is not None],
+            "syncs": opt.syncs, "bytes_sent": opt.bytes_sent,
+            "numel": sum(p.numel() for p in model.parameters())}
