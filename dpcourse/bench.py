@@ -16,7 +16,7 @@ import torch
 
 from .collectives import allreduce, get_params
 from .cost_model import AlphaBeta, best_layout, cost_in_step
-from .experiments import performance, zero_memory
+from .experiments import fsdp_demos, performance, zero_memory
 from .experiments.performance import FIT_FROM, FIT_TO, fit_allreduces, size_label
 from .experiments.simulated import forward_backward_seconds
 from .experiments.throughput import (ALLREDUCES, NO_ALLREDUCE, bus_bandwidth, compare_ddp,
@@ -104,6 +104,7 @@ ANATOMY_BATCH = {"lenet": 64, "resnet18": 16}  # per process; bench_buckets uses
 BUCKET_BATCH = 16
 SCALING_BATCH = 128
 ZERO_BATCH = 64
+FSDP_BATCH = 64  # LeNet images per process; the peak is measured on fsdp_demos' "mlp"
 SHM_DDP_BATCHES = (16, 128)  # images per process
 NEAR_BEST = 1.05  # bucket caps whose step is within 5% of the best are printed as ties
 
@@ -307,6 +308,31 @@ def bench_zero(sizes: Sizes, figures: dict) -> None:
               f"(x{f['seconds_per_step'] / r['ddp']['seconds_per_step']:.2f} of ddp's)")
 
 
+def bench_fsdp(sizes: Sizes, figures: dict) -> None:
+    """Chapter 10: ScratchFSDP's training throughput against torch's fully_shard (LeNet, the
+    same units, gloo, 2 ranks), prefetch's gain, and the measured peak against the formula."""
+    rounds = max(3, sizes.repeats // 4)
+    ways = ("fsdp", "fsdp no prefetch", "torch fully_shard")
+    r = fsdp_demos.compare_fsdp(2, sizes.ddp_steps, FSDP_BATCH, rounds, ways=ways, timeout=300)
+    seconds = {way: r[way]["seconds_per_step"] for way in ways}
+    ratio = seconds["torch fully_shard"] / seconds["fsdp"]
+    gain = seconds["fsdp no prefetch"] / seconds["fsdp"]
+    print(f"\nChapter 10, LeNet with AdamW, one unit per layer, 2 processes x {FSDP_BATCH} "
+          f"images, {sizes.ddp_steps} steps (median of {rounds} rounds):")
+    for way, t in seconds.items():
+        print(f"  {way:17s} {t * 1e3:6.1f} ms per step")
+    print(f"  ScratchFSDP's throughput against torch's fully_shard: {verdict(ratio, 0.9)}")
+    print(f"  prefetch's gain (no prefetch's time / prefetch's): x{gain:.2f}")
+    peak = fsdp_demos.measure_sharding(2, "mlp", ways=("zero3",), timeout=300)["zero3"]
+    measured = max(peak["peak"])
+    met = "goal met" if abs(measured / peak["formula_peak"] - 1) <= 0.1 else "outside the goal"
+    print(f"  peak per rank, {fsdp_demos.MLP_DEPTH} Linear({fsdp_demos.MLP_WIDTH}) layers: "
+          f"measured {size_label(measured)}, formula {size_label(peak['formula_peak'])}: "
+          f"x{measured / peak['formula_peak']:.3f} (goal within 10%: {met})")
+    figures.update(steps=r, throughput_vs_fully_shard=ratio, prefetch_gain=gain,
+                   peak=peak)
+
+
 class Laps(dict):
     """Seconds each section of the benchmark took, by name, in order."""
 
@@ -389,6 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     bench_chapter_08(sizes, sweeps, figures.setdefault("chapter_08", {}), laps)
     bench_zero(sizes, figures.setdefault("chapter_09", {}))
     laps.lap("chapter 09")
+    bench_fsdp(sizes, figures.setdefault("chapter_10", {}))
+    laps.lap("chapter 10")
     print(f"\nThe benchmark took {sum(laps.values()):.0f} s: "
           + ", ".join(f"{name} {t:.0f} s" for name, t in laps.items()))
     if args.json is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -130,10 +130,14 @@ class ScratchFSDP(nn.Module):
             unit.module.register_forward_pre_hook(partial(self._before_unit, unit),
                                                   with_kwargs=True)
             unit.module.register_forward_hook(partial(self._after_unit, unit))
+        self._start_bookkeeping()
+
+    def _start_bookkeeping(self) -> None:
+        """What the steps keep track of: gathered storages, unit order, work in flight."""
         self._by_storage: dict[int, Unit] = {}  # data_ptr of a gathered unit's storage
         self._order: list[Unit] = []  # the units in the order the last forward ran them
         self._running: list[Unit] = []
-        self._reducing: list[tuple[Unit, torch.futures.Future, torch.Tensor]] = []
+        self._reducing: list[tuple[Unit, torch.futures.Future]] = []  # this rank's sums
         self._in_forward, self._callback_queued = False, False
         self._thread = HelperThread()  # runs the ring, or waits for a reduce-scatter
         self.events: list[tuple[str, str, float, float]] = []  # the last step's timeline
@@ -163,7 +167,7 @@ class ScratchFSDP(nn.Module):
         self.bytes_gathered += full.nbytes
         if self.ring:
             full.chunk(self.world)[self.rank].copy_(shard)
-            future = self._thread.submit(_ring_done, p2p.ring_all_gather, full)
+            future = self._thread.submit(_ring_gathered, full)
         else:
             future = _all_gather(full, shard, async_op=True).get_future()
         unit.arriving = (future, full)
@@ -257,14 +261,15 @@ class ScratchFSDP(nn.Module):
         self._free(unit)
         grad = grad_full.detach().contiguous()
         self.bytes_reduced += grad.nbytes
+        if self._reducing:  # one in flight at a time (as torch's FSDP): a full gradient
+            self._reducing[-1][1].wait()  # waiting to be sent is memory too
         if self.ring:
-            future = self._thread.submit(_ring_done, p2p.ring_reduce_scatter, grad)
-            out = grad.chunk(self.world)[self.rank]
+            future = self._thread.submit(_ring_shard, grad, self.rank, self.world)
         else:
             out = grad.new_empty(grad.numel() // self.world)
             work = _reduce_scatter(out, grad, async_op=True)  # gloo's: no future, so the
             future = self._thread.submit(_waited, work, out)  # helper thread waits for it
-        self._reducing.append((unit, future, out))
+        self._reducing.append((unit, future))
         self._note_when_done("reduce-scatter", unit, future)
         self._compute_start = time.perf_counter()
 
@@ -277,9 +282,8 @@ class ScratchFSDP(nn.Module):
     @torch.no_grad()
     def _finish(self) -> None:
         """End of backward: wait for every reduce-scatter, add its average to the shard's grad."""
-        for unit, future, out in self._reducing:
-            future.wait()
-            average = out.to(unit.shard.dtype) / self.world
+        for unit, future in self._reducing:
+            average = future.wait().to(unit.shard.dtype) / self.world
             if unit.shard.grad is None:
                 unit.shard.grad = average
             else:
@@ -401,10 +405,16 @@ def _to_float32(out: Any) -> Any:
     return out
 
 
-def _ring_done(ring_half: Callable[[torch.Tensor], int], tensor: torch.Tensor) -> torch.Tensor:
-    """tensor, after one of the ring's halves (p2p) ran on it in place."""
-    ring_half(tensor)
-    return tensor
+def _ring_gathered(full: torch.Tensor) -> torch.Tensor:
+    """full, once the ring's second half (p2p) has filled in the other ranks' slices."""
+    p2p.ring_all_gather(full)
+    return full
+
+
+def _ring_shard(grad: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's slice of grad summed over the ranks, by the ring's first half (p2p)."""
+    p2p.ring_reduce_scatter(grad)
+    return grad.chunk(world)[rank].clone()  # not a view: grad is freed
 
 
 def _waited(work: dist.Work, out: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,44 @@ def bytes_per_rank(num_params: int, world_size: int, stage: str, *, param_bytes:
     return out
 
 
+def zero3_peak_bytes(num_params: int, unit_numels: list[int], world_size: int, *,
+                     prefetch: bool = True, param_bytes: float = 4, grad_bytes: float = 4,
+                     state_bytes: float = 8, compute_bytes: float | None = None,
+                     activation_bytes: float = 0) -> dict[str, float]:
+    """The most bytes a rank holds during ZeRO-3's (fsdp.ScratchFSDP's) forward and backward.
+
+    bytes_per_rank(..., "zero3") (the gradient shards: the reduce-scattered slices backward
+    collects) plus, while unit i's backward runs (unit_numels in running order, each padded to
+    a multiple of world_size, compute_bytes per number, default param_bytes):
+    "gathered": unit i's parameters, and with prefetch unit i-1's (backward's next);
+    "full_gradient": unit i's twice (its parameters' gradients, and the flat padded copy
+    autograd makes of them) and unit i+1's, whose reduce-scatter runs meanwhile (ScratchFSDP
+    keeps one in flight: it waits for it before starting the next);
+    plus activation_bytes (what autograd keeps for backward). The costliest unit counts.
+    """
+    compute = param_bytes if compute_bytes is None else compute_bytes
+    padded = [-(-n // world_size) * world_size for n in unit_numels] + [0]
+    in_flight = [(g + (padded[i - 1] if prefetch and i > 0 else 0), 2 * g + padded[i + 1])
+                 for i, g in enumerate(padded[:-1])]  # (gathered, full gradients) in i's
+    gathered, gradients = max(in_flight, key=sum, default=(0, 0))
+    out = bytes_per_rank(num_params, world_size, "zero3", param_bytes=param_bytes,
+                         grad_bytes=grad_bytes, state_bytes=state_bytes)
+    out.update(gathered=gathered * compute, full_gradient=gradients * compute,
+               activations=activation_bytes)
+    out["total"] += out["gathered"] + out["full_gradient"] + activation_bytes
+    return out
+
+
+def largest_model(device_bytes: float, world_size: int, stage: str, *, param_bytes: float = 2,
+                  grad_bytes: float = 2, state_bytes: float = 12) -> int:
+    """The most parameters whose model states fit in device_bytes on each of world_size ranks
+    under stage (bytes_per_rank; by default mixed-precision Adam, 16 bytes per parameter). The
+    activations and ZeRO-3's gathered units need room besides."""
+    per_param = bytes_per_rank(1, world_size, stage, param_bytes=param_bytes,
+                               grad_bytes=grad_bytes, state_bytes=state_bytes)["total"]
+    return int(device_bytes // per_param)
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages under tensors (views of one storage count once)."""
     storages = {}

@@ -623,3 +623,72 @@ def show_zero_memory(stages: dict[int, dict[str, dict]]) -> None:
     axes[0].set_ylabel("MB on the rank (LeNet, float32)")
     axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     _show(fig)
+
+
+# ---- chapter 10 ----
+
+def show_fsdp_timeline(timelines: dict[str, list]) -> None:
+    """One panel per case (name -> fsdp_demos.fsdp_timeline(...)): each unit's forward and
+    backward on the compute lane (a red bar: waiting for a gather), its all-gathers and
+    reduce-scatters on the communication lane, in ms after the step began."""
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 0.5 + 1.3 * len(timelines)),
+                             sharex=True, squeeze=False)
+    units = sorted({unit for events in timelines.values() for _, unit, _, _ in events})
+    colors = {unit: plt.cm.tab10.colors[i % 10] for i, unit in enumerate(units)}
+    lanes = {"forward": 1, "backward": 1, "wait": 1, "all-gather": 0, "reduce-scatter": 0}
+    for ax, (name, events) in zip(axes[:, 0], timelines.items()):
+        for kind, unit, start, end in events:
+            style = ({"color": "red"} if kind == "wait" else
+                     {"color": colors[unit], "hatch": "//" if kind == "reduce-scatter" else
+                      "..." if kind == "backward" else None, "edgecolor": "black"})
+            ax.barh(lanes[kind], 1e3 * (end - start), left=1e3 * start, height=0.6, **style)
+        ax.set_yticks([0, 1], ["communication", "compute"], fontsize=8)
+        ax.set_title(name, fontsize=9, loc="left")
+    handles = [Rectangle((0, 0), 1, 1, color=colors[u], label=f"unit {u}") for u in units]
+    handles += [Rectangle((0, 0), 1, 1, color="red", label="waiting for a gather"),
+                Rectangle((0, 0), 1, 1, fill=False, hatch="...", label="backward"),
+                Rectangle((0, 0), 1, 1, fill=False, hatch="//", label="reduce-scatter")]
+    axes[0, 0].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[-1, 0].set_xlabel("ms after the step began (plain bars: forward, all-gather)")
+    _show(fig)
+
+
+def show_sharding_memory(sharding: dict[int, dict[str, dict]]) -> None:
+    """For each way, the largest rank's bytes between steps and at the peak of forward and
+    backward (bars), and the formulas' (black marks), one panel per world size (world ->
+    fsdp_demos.measure_sharding(world))."""
+    fig, axes = plt.subplots(1, len(sharding), figsize=(10, 3.2), sharey=True, squeeze=False)
+    for ax, (world, ways) in zip(axes[0], sharding.items()):
+        for i, (way, r) in enumerate(ways.items()):
+            between = max(b["total"] for b in r["between_steps"]) / 1e6
+            for dx, value, formula, color, label in (
+                    (-0.2, between, r["formula"]["total"], "#4C72B0", "between steps"),
+                    (0.2, max(r["peak"]) / 1e6, r["formula_peak"], "#C44E52", "peak")):
+                ax.bar(i + dx, value, 0.38, color=color, label=label if i == 0 else None)
+                ax.hlines(formula / 1e6, i + dx - 0.19, i + dx + 0.19, colors="black",
+                          label="formula" if (i, dx) == (0, 0.2) else None)
+        ax.set_xticks(range(len(ways)), list(ways), fontsize=8)
+        ax.set_title(f"{world} processes: the largest rank", fontsize=10)
+    axes[0, 0].set_ylabel("MB on the rank (float32 AdamW)")
+    axes[0, -1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _show(fig)
+
+
+def show_largest_model(device_bytes: float = 80e9, worlds: tuple[int, ...] = (8, 64, 1024)) -> None:
+    """The most parameters whose model states (mixed-precision Adam, 16 bytes a parameter)
+    fit a device of device_bytes, for DDP and ZeRO-1/2/3 at each world size (log scale)."""
+    from .memory import STAGES, largest_model
+
+    fig, ax = plt.subplots(figsize=(6.4, 2.8))
+    width = 0.8 / len(worlds)
+    for j, world in enumerate(worlds):
+        sizes = [largest_model(device_bytes, world, stage) for stage in STAGES]
+        x = [i - 0.4 + width * (j + 0.5) for i in range(len(STAGES))]
+        ax.bar(x, sizes, width * 0.9, color=plt.cm.viridis(j / len(worlds)), label=f"k = {world}")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(STAGES)), list(STAGES))
+    ax.set_ylabel("parameters")
+    ax.set_title(f"The largest model whose states fit {device_bytes / 1e9:g} GB per device",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    _show(fig)

@@ -2,8 +2,6 @@
 sys.path, via spawn)."""
 from __future__ import annotations
 
-import copy
-import math
 from typing import Any, Callable
 
 import torch
@@ -13,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dpcourse.fsdp import NotGathered, ScratchFSDP
-from dpcourse.lenet import lenet_layers, lenet_model
+from dpcourse.lenet import lenet_model
 
 STEPS = 4
 LR = 0.01

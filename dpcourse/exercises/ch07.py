@@ -314,7 +314,7 @@ def check_broadcast(broadcast_parameters: Callable[[nn.Module], None]) -> str:
     torch_ddp = nn.parallel.DistributedDataParallel(_WithBuffer(seed=rank))
     assert all(torch.equal(a, b) for a, b in zip(torch_ddp.module.state_dict().values(),
                                                  model.state_dict().values())), (
-        f"torch's DDP starts from other values than yours")
+        "torch's DDP starts from other values than yours")
     return ("broadcast_parameters is right: every rank holds rank 0's parameters and buffers, "
             "as torch's DDP does")
 
