@@ -19,6 +19,7 @@ import traceback
 from datetime import timedelta
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,10 +32,12 @@ from tqdm import tqdm
 from .checkpoint import unwrap
 from .concise import make_resnet18
 from .data import SOURCES, Images, fashion_mnist, resolve_source
+from .compression import PowerSGDState, bf16_hook, powersgd_hook
 from .ddp import ScratchDDP
 from .fsdp import ScratchFSDP
 from .launch import exit_without_shutdown
 from .lenet import lenet_layers, lenet_model
+from .local_sgd import DiLoCo
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,11 +68,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          help="dpcourse.fsdp.ScratchFSDP, one unit per layer (LeNet as "
                               "lenet_layers) or per child module (ResNet-18)")
     p.set_defaults(ddp="scratch")
+    p.add_argument("--comm-hook", choices=("bf16", "powersgd"), default=None,
+                   help="average the gradients in bfloat16, or by PowerSGD (chapter 11; with "
+                        "--scratch or --torch)")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's rank (default 4)")
+    p.add_argument("--diloco", type=int, default=None, metavar="H",
+                   help="DiLoCo (chapter 11): H local SGD steps per rank between averaged "
+                        "outer steps, no DDP; a checkpoint is also a sync point")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="DiLoCo's outer Nesterov momentum (default 0.9; 0: none)")
     p.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
                    help="resume from PATH if it exists; rank 0 writes it each epoch and at the end")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a collective may wait for the other ranks (default 120)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.ddp == "fsdp" and (args.comm_hook or args.diloco):
+        p.error("--fsdp reduce-scatters its gradients itself: no --comm-hook or --diloco")
+    if args.comm_hook and args.diloco:
+        p.error("--diloco averages parameters, not gradients: no --comm-hook with it")
+    return args
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -93,6 +111,14 @@ def init_distributed(timeout_s: float) -> torch.device:
         dist.init_process_group("gloo", timeout=timeout, **where)
         say(f"Backend: gloo on the CPU (processes on this node: {local_world}, GPUs: {gpus})")
     return device
+
+
+def describe(args: argparse.Namespace) -> str:
+    """The training's name in the progress bar."""
+    if args.diloco is not None:
+        return f"DiLoCo H={args.diloco}"
+    name = "FSDP" if args.ddp == "fsdp" else f"{args.ddp} DDP"
+    return f"{name}, {args.comm_hook}" if args.comm_hook else name
 
 
 def say(message: str) -> None:
@@ -119,11 +145,33 @@ def build_model(name: str, seed: int, device: torch.device, layers: bool = False
     return make_resnet18(device, seed)
 
 
-def save_training_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, epoch: int,
-                        step: int) -> None:
+def build_training(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any]:
+    """The model, wrapped as args say (ScratchDDP, torch's DDP, ScratchFSDP, or none under
+    DiLoCo), with its comm hook, and its optimizer (SGD, inside DiLoCo under --diloco)."""
+    model = build_model(args.model, args.seed, device, layers=args.ddp == "fsdp")
+    if args.ddp == "fsdp":
+        model = ScratchFSDP(model)  # before the optimizer, which then holds the shards only
+    elif args.diloco is None and args.ddp == "scratch":
+        model = ScratchDDP(model)
+    elif args.diloco is None:
+        model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.comm_hook == "bf16":
+        model.register_comm_hook(None, bf16_hook)
+    elif args.comm_hook == "powersgd":
+        model.register_comm_hook(PowerSGDState(args.powersgd_rank), powersgd_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    if args.diloco is not None:
+        opt = DiLoCo(model, opt, args.diloco, args.outer_lr, args.outer_momentum)
+    return model, opt
+
+
+def save_training_state(path: Path, model: nn.Module, opt: Any, epoch: int, step: int) -> None:
     """Rank 0 writes path atomically (temp file, then rename); every rank waits for it.
     Under ScratchFSDP the parameters are gathered whole and the optimizer's state is the list
     of every rank's (each holds its shard's)."""
+    if isinstance(opt, DiLoCo) and opt.inner_steps % opt.sync_every:
+        opt.sync()  # mid-round the ranks' parameters differ: a checkpoint is a sync point
     if isinstance(model, ScratchFSDP):  # collectives: every rank takes part
         weights = model.full_state_dict()
         shards = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -139,7 +187,7 @@ def save_training_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer
     dist.barrier()  # nobody reads or overwrites it before it is complete
 
 
-def load_training_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer,
+def load_training_state(path: Path, model: nn.Module, opt: Any,
                         device: torch.device) -> tuple[int, int]:
     """Every rank loads path onto its own device; returns (epoch, step) to resume from."""
     state = torch.load(path, map_location=device, weights_only=True)
@@ -173,22 +221,14 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
     loader = DataLoader(data, args.batch_size, sampler=sampler,
                         pin_memory=device.type == "cuda")
-    model = build_model(args.model, args.seed, device, layers=args.ddp == "fsdp")
-    if args.ddp == "fsdp":
-        model = ScratchFSDP(model)  # before the optimizer, which then holds the shards only
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    model, opt = build_training(args, device)
     epoch = step = 0
     if args.checkpoint is not None and args.checkpoint.exists():
         epoch, step = load_training_state(args.checkpoint, model, opt, device)
-    if args.ddp == "scratch":
-        model = ScratchDDP(model)
-    elif args.ddp == "torch":
-        model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
     limit = args.steps if args.steps is not None else float("inf")
     total = min(limit, args.epochs * len(loader))
     bar = tqdm(total=max(total, step), initial=step,
-               desc="FSDP" if args.ddp == "fsdp" else f"{args.ddp} DDP",
+               desc=describe(args),
                disable=dist.get_rank() != 0)
     images, loss, start = 0, torch.full((), float("nan"), device=device), time.perf_counter()
     for epoch in range(epoch, args.epochs):
@@ -210,6 +250,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         if args.checkpoint is not None:
             save_training_state(args.checkpoint, model, opt, step // len(loader), step)
     bar.close()
+    if isinstance(opt, DiLoCo) and opt.inner_steps % opt.sync_every:
+        opt.sync()  # the last round, cut short, ends with a sync as every round does
     seconds = time.perf_counter() - start
     summary = torch.tensor([float(images), loss.item()], device=device)
     dist.all_reduce(summary)

@@ -144,3 +144,24 @@ def test_fsdp_with_a_resume_equals_one_process_on_the_global_batches(fsdp):
     assert "resuming from epoch 0, step 3" in fsdp["second"]
     assert len(fsdp["at_5"]["optimizer"]) == WORLD  # each rank's state of its shards
     assert_same_parameters(as_lenet(fsdp["at_5"]["model"]), one_process(5, WORLD))
+
+
+def test_diloco_syncing_every_step_without_momentum_equals_one_process(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torchrun("--diloco", "1", "--outer-lr", "1", "--outer-momentum", "0", "--steps", "5",
+             "--checkpoint", str(path))
+    assert_same_parameters(load(path)["model"], one_process(5, WORLD))
+
+
+@pytest.mark.parametrize("flags", [("--scratch", "--comm-hook", "powersgd"),
+                                   ("--torch", "--comm-hook", "bf16"), ("--diloco", "3")])
+def test_communicating_less_trains_and_leaves_identical_replicas(flags, tmp_path):
+    path = tmp_path / "ckpt.pt"
+    output = torchrun(*flags, "--steps", "5", "--checkpoint", str(path))
+    assert "Done: 5 steps" in output and "replicas identical" in output
+    assert load(path)["model"].keys() == one_process(0, WORLD).keys()
+
+
+def test_fsdp_refuses_a_comm_hook():
+    with pytest.raises(SystemExit):
+        train_ddp.parse_args(["--fsdp", "--comm-hook", "bf16"])
