@@ -48,6 +48,19 @@ class PowerSGDState:
         self.errors: dict[torch.Tensor, torch.Tensor] = {}
         self.bytes_sent = 0  # payload bytes this rank handed to all_reduce
 
+    def state_dict(self, params: list[torch.Tensor]) -> dict:
+        """The step, the Qs and the errors, each under its parameter's position in params."""
+        where = {p: i for i, p in enumerate(params)}
+        return {"step": self.step, "bytes_sent": self.bytes_sent,
+                "qs": {where[p]: q for p, q in self.qs.items()},
+                "errors": {where[p]: e for p, e in self.errors.items()}}
+
+    def load_state_dict(self, state: dict, params: list[torch.Tensor]) -> None:
+        """Take back what state_dict(params) returned."""
+        self.step, self.bytes_sent = state["step"], state["bytes_sent"]
+        self.qs = {params[i]: q.to(params[i].device) for i, q in state["qs"].items()}
+        self.errors = {params[i]: e.to(params[i].device) for i, e in state["errors"].items()}
+
     def initial_q(self, grad: torch.Tensor, rank: int) -> torch.Tensor:
         """The same random orthonormal m x rank matrix on every rank, whatever the buckets'
         layout (drawn from seed and the n x m grad's shape)."""

@@ -16,6 +16,7 @@ import gc
 import os
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from itertools import islice
 from pathlib import Path
@@ -35,6 +36,7 @@ from .data import SOURCES, Images, fashion_mnist, resolve_source
 from .compression import PowerSGDState, bf16_hook, powersgd_hook
 from .ddp import ScratchDDP
 from .fsdp import ScratchFSDP
+from . import resume
 from .launch import exit_without_shutdown
 from .lenet import lenet_layers, lenet_model
 from .local_sgd import DiLoCo
@@ -80,27 +82,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DiLoCo's outer Nesterov momentum (default 0.9; 0: none)")
     p.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
                    help="resume from PATH if it exists; rank 0 writes it each epoch and at the end")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="also write the checkpoint every N steps: a restarted run (torchrun "
+                        "--max-restarts) redoes at most N steps")
     p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds a collective may wait for the other ranks (default 120)")
+                   help="seconds a collective, or joining the group, may wait for the other "
+                        "ranks (default 120; torch's own default is 30 minutes for gloo)")
     args = p.parse_args(argv)
     if args.ddp == "fsdp" and (args.comm_hook or args.diloco):
         p.error("--fsdp reduce-scatters its gradients itself: no --comm-hook or --diloco")
     if args.comm_hook and args.diloco:
         p.error("--diloco averages parameters, not gradients: no --comm-hook with it")
+    if args.checkpoint_every is not None and (args.checkpoint is None or args.checkpoint_every < 1):
+        p.error("--checkpoint-every N needs N >= 1 and --checkpoint PATH")
     return args
 
 
 def init_distributed(timeout_s: float) -> torch.device:
     """Join the default group (torchrun's env://, else a world of one) and return our device."""
+    timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        where: dict = {"init_method": "env://"}  # MASTER_ADDR and MASTER_PORT from torchrun
+        where = resume.join_arguments(timeout)  # torchrun's store, this round's own prefix
     else:
         print("No RANK/WORLD_SIZE from torchrun: running as a single process (world size 1)")
         where = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    timeout = timedelta(seconds=timeout_s)
     if gpus >= local_world:
         torch.cuda.set_device(local_rank)  # else every rank would allocate on GPU 0
         device = torch.device("cuda", local_rank)
@@ -145,7 +153,15 @@ def build_model(name: str, seed: int, device: torch.device, layers: bool = False
     return make_resnet18(device, seed)
 
 
-def build_training(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any]:
+@dataclass
+class Training:
+    """The model, wrapped as the command says, its optimizer and its comm hook's state."""
+    model: nn.Module
+    opt: Any
+    hook_state: PowerSGDState | None = None
+
+
+def build_training(args: argparse.Namespace, device: torch.device) -> Training:
     """The model, wrapped as args say (ScratchDDP, torch's DDP, ScratchFSDP, or none under
     DiLoCo), with its comm hook, and its optimizer (SGD, inside DiLoCo under --diloco)."""
     model = build_model(args.model, args.seed, device, layers=args.ddp == "fsdp")
@@ -156,47 +172,68 @@ def build_training(args: argparse.Namespace, device: torch.device) -> tuple[nn.M
     elif args.diloco is None:
         model = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
-    if args.comm_hook == "bf16":
-        model.register_comm_hook(None, bf16_hook)
-    elif args.comm_hook == "powersgd":
-        model.register_comm_hook(PowerSGDState(args.powersgd_rank), powersgd_hook)
+    hook_state = PowerSGDState(args.powersgd_rank) if args.comm_hook == "powersgd" else None
+    if args.comm_hook is not None:
+        model.register_comm_hook(hook_state, powersgd_hook if hook_state else bf16_hook)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     if args.diloco is not None:
         opt = DiLoCo(model, opt, args.diloco, args.outer_lr, args.outer_momentum)
-    return model, opt
+    return Training(model, opt, hook_state)
 
 
-def save_training_state(path: Path, model: nn.Module, opt: Any, epoch: int, step: int) -> None:
-    """Rank 0 writes path atomically (temp file, then rename); every rank waits for it.
-    Under ScratchFSDP the parameters are gathered whole and the optimizer's state is the list
-    of every rank's (each holds its shard's)."""
-    if isinstance(opt, DiLoCo) and opt.inner_steps % opt.sync_every:
-        opt.sync()  # mid-round the ranks' parameters differ: a checkpoint is a sync point
-    if isinstance(model, ScratchFSDP):  # collectives: every rank takes part
-        weights = model.full_state_dict()
-        shards = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(opt.state_dict(), shards, dst=0)
+CHECKED = ("model", "train_size", "data", "batch_size", "lr", "seed", "ddp", "comm_hook",
+           "powersgd_rank", "diloco", "outer_lr", "outer_momentum")  # what shapes the run
+
+
+def training_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments a checkpoint must have been written with to be resumed here."""
+    return {**{k: getattr(args, k) for k in CHECKED}, "world_size": dist.get_world_size()}
+
+
+def rank_state(run: Training) -> dict[str, Any]:
+    """What this rank alone holds that the next steps depend on, on the CPU: its optimizer
+    state (a shard under FSDP), its hook's state, its parameters under DiLoCo (they differ
+    between syncs), and its random number generator."""
+    params = list(run.model.parameters())
+    state = {"optimizer": run.opt.state_dict(),
+             "hook": run.hook_state.state_dict(params) if run.hook_state else None,
+             "model": run.model.state_dict() if isinstance(run.opt, DiLoCo) else None,
+             "rng": torch.get_rng_state()}
+    return resume.to_cpu(state)
+
+
+def save_training_state(path: Path, args: argparse.Namespace, run: Training, epoch: int,
+                        step: int) -> None:
+    """Rank 0 writes path atomically, holding the weights (whole: rank 0's, or gathered under
+    FSDP) and every rank's own state; every rank waits for it."""
+    if isinstance(run.model, ScratchFSDP):  # a collective: every rank takes part
+        weights = run.model.full_state_dict()
     else:
-        weights, shards = unwrap(model).state_dict(), opt.state_dict()
+        weights = unwrap(run.model).state_dict()
+    ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(rank_state(run), ranks, dst=0)
     if dist.get_rank() == 0:
-        state = {"model": weights, "optimizer": shards, "epoch": epoch, "step": step}
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        resume.save(path, {"args": training_arguments(args), "model": weights, "ranks": ranks,
+                           "epoch": epoch, "step": step})
         tqdm.write(f"Saved {path} (step {step}; a resumed run goes on in epoch {epoch})")
     dist.barrier()  # nobody reads or overwrites it before it is complete
 
 
-def load_training_state(path: Path, model: nn.Module, opt: Any,
+def load_training_state(path: Path, args: argparse.Namespace, run: Training,
                         device: torch.device) -> tuple[int, int]:
-    """Every rank loads path onto its own device; returns (epoch, step) to resume from."""
-    state = torch.load(path, map_location=device, weights_only=True)
-    if isinstance(model, ScratchFSDP):
-        model.load_full_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"][dist.get_rank()])
+    """Every rank loads path onto its own device and takes its own state from it; returns
+    (epoch, step) to resume from."""
+    state = resume.load(path, device)
+    resume.check_same_command(path, state["args"], training_arguments(args))
+    mine = state["ranks"][dist.get_rank()]
+    if isinstance(run.model, ScratchFSDP):
+        run.model.load_full_state_dict(state["model"])
     else:
-        unwrap(model).load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        unwrap(run.model).load_state_dict(mine["model"] or state["model"])
+    run.opt.load_state_dict(mine["optimizer"])
+    if run.hook_state is not None:
+        run.hook_state.load_state_dict(mine["hook"], list(run.model.parameters()))
+    torch.set_rng_state(mine["rng"].cpu())
     say(f"Loaded {path}: resuming from epoch {state['epoch']}, step {state['step']}")
     return state["epoch"], state["step"]
 
@@ -221,10 +258,11 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
     loader = DataLoader(data, args.batch_size, sampler=sampler,
                         pin_memory=device.type == "cuda")
-    model, opt = build_training(args, device)
+    run = build_training(args, device)
+    model, opt = run.model, run.opt
     epoch = step = 0
     if args.checkpoint is not None and args.checkpoint.exists():
-        epoch, step = load_training_state(args.checkpoint, model, opt, device)
+        epoch, step = load_training_state(args.checkpoint, args, run, device)
     limit = args.steps if args.steps is not None else float("inf")
     total = min(limit, args.epochs * len(loader))
     bar = tqdm(total=max(total, step), initial=step,
@@ -247,8 +285,11 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             step, images = step + 1, images + len(X)
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             bar.update(1)
-        if args.checkpoint is not None:
-            save_training_state(args.checkpoint, model, opt, step // len(loader), step)
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                save_training_state(args.checkpoint, args, run, step // len(loader), step)
+        if args.checkpoint is not None and not (args.checkpoint_every
+                                                and step % args.checkpoint_every == 0):
+            save_training_state(args.checkpoint, args, run, step // len(loader), step)
     bar.close()
     if isinstance(opt, DiLoCo) and opt.inner_steps % opt.sync_every:
         opt.sync()  # the last round, cut short, ends with a sync as every round does

@@ -142,7 +142,7 @@ def as_lenet(layers: dict) -> dict:
 def test_fsdp_with_a_resume_equals_one_process_on_the_global_batches(fsdp):
     assert "each rank holds 1/2 of the parameters" in fsdp["first"]
     assert "resuming from epoch 0, step 3" in fsdp["second"]
-    assert len(fsdp["at_5"]["optimizer"]) == WORLD  # each rank's state of its shards
+    assert len(fsdp["at_5"]["ranks"]) == WORLD  # each rank's state: its optimizer shard
     assert_same_parameters(as_lenet(fsdp["at_5"]["model"]), one_process(5, WORLD))
 
 
