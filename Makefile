@@ -1,11 +1,13 @@
 # Shortcuts for course.py, which does the work (and needs nothing but Python >= 3.10).
-.PHONY: setup lab test bench slides clean
+.PHONY: setup lab test check bench slides clean
 setup:
 	python3 course.py setup
 lab:
 	python3 course.py lab
 test:
 	python3 course.py test
+check:
+	python3 course.py check
 bench:
 	python3 course.py bench
 slides:

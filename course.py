@@ -137,6 +137,7 @@ def main() -> None:
         "student": lambda: [ROOT / "tools" / "student.py", *args],
         "test": lambda: ["-m", "pytest", *args],
         "bench": lambda: ["-m", "dpcourse.bench", *args],
+        "check": lambda: ["-m", "dpcourse.selfcheck", *args],
         "execute": lambda: [ROOT / "tools" / "execute_notebooks.py", *args],
         "slides": lambda: slides_args(args),
     }
