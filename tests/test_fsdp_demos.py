@@ -84,8 +84,8 @@ def test_drivers_reject_unknown_names():
         fsdp_demos.measure_sharding(2, "resnet")
     with pytest.raises(ValueError, match="unknown way"):
         fsdp_demos.compare_fsdp(2, ways=("zero4",))
-    with pytest.raises(ValueError, match="optimizer must be one of"):
-        fsdp_demos.against_fully_shard(2, "adam")
+    with pytest.raises(ValueError, match="optimizers must be among"):
+        fsdp_demos.against_fully_shard(2, ("adam",))
     with pytest.raises(ValueError, match="divisible"):
         fsdp_demos.gloo_reduce_scatter(2, numels=(3,))
 
@@ -126,7 +126,7 @@ def test_fully_shard_and_scratch_fsdp_train_like_one_process():
     """Five SGD steps (lr 0.01) of LeNet on 2 ranks: both within 1e-6 of one process on the
     whole batches (float32 rounding measured at 4e-8; gradients summed instead of averaged,
     pytorch/pytorch#162338, would differ by about 1e-3), and of each other."""
-    r = fsdp_demos.against_fully_shard(2, "sgd", steps=5, batch_size=16)
+    r = fsdp_demos.against_fully_shard(2, ("sgd",), steps=5, batch_size=16)["sgd"]
     assert max(r.values()) < 1e-6, r
 
 

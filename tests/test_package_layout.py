@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
-FACE = {"__init__", "bench", "plots"}  # the package's face, the benchmark and the figures
+FACE = {"__init__", "bench", "plots", "selfcheck"}  # the face, benchmark, figures, self-check
 
 
 def modules(package: str) -> set[str]:

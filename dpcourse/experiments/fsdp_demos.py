@@ -2,7 +2,7 @@
 against torch's fully_shard, gloo's reduce-scatter, and one step's timeline.
 
 The drivers (``measure_sharding``, ``compare_fsdp``, ``against_fully_shard``,
-``gloo_reduce_scatter``, ``fsdp_timeline``) run in the parent and start the ranks with
+``gloo_reduce_scatter``, ``fsdp_timelines``) run in the parent and start the ranks with
 ``launch``; the ``*_on_rank`` functions are what every rank runs.
 """
 from __future__ import annotations
@@ -193,15 +193,15 @@ def built(way: str, model: str, seed: int = 0) -> tuple[nn.Module, torch.optim.O
 
 def measure_sharding_on_rank(model: str, batch_size: int,
                              ways: list[str]) -> dict[str, dict[str, Any]]:
-    """For each of ways (SHARDING_WAYS), after WARMUP_STEPS steps: this rank's measured_bytes
+    """For each of ways (SHARDING_WAYS), after one step (it creates the optimizer state; the
+    bytes between steps stay the same after): this rank's measured_bytes
     between steps, and the peak of one more forward and backward (PeakMemory, above the
     bytes between steps less the gradients, which zero_grad drops first)."""
     X, y = model_batch(model, batch_size, seed=dist.get_rank())
     out = {}
     for way in ways:
         wrapped, opt = built(way, model)
-        for _ in range(WARMUP_STEPS):
-            train_step(wrapped, opt, X, y)
+        train_step(wrapped, opt, X, y)
         between = measured_bytes(wrapped, opt)
         opt.zero_grad()
         start = measured_bytes(wrapped, opt)["total"]
@@ -412,44 +412,52 @@ def full_parameters(wrapped: nn.Module) -> dict[str, torch.Tensor]:
             for name, p in wrapped.named_parameters()}
 
 
-def against_fully_shard_on_rank(optimizer: str, steps: int,
-                                batch_size: int) -> dict[str, float]:
-    """LeNet (lenet_layers(0) on every rank) trained steps steps on global batches of
-    batch_size (each rank its share, mean loss) by ScratchFSDP, by torch's fully_shard, and in
-    this process alone on the whole batches: the largest absolute differences after."""
+def against_fully_shard_on_rank(optimizers: list[str], steps: int,
+                                batch_size: int) -> dict[str, dict[str, float]]:
+    """LeNet (lenet_layers(0) on every rank) trained steps steps with each of optimizers on
+    global batches of batch_size (each rank its share, mean loss) by ScratchFSDP, by torch's
+    fully_shard, and in this process alone on the whole batches: the largest absolute
+    differences after, by optimizer."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    trained = {}
-    for way in ("fsdp", "torch fully_shard", "one process"):
-        if way == "one process":
-            wrapped = lenet_layers(0)
-            opt = make_optimizer(wrapped.parameters(), optimizer)
-        else:
-            wrapped, opt = fsdp_built(way, optimizer=optimizer)
-        for step in range(steps):
-            X, y = random_batch(batch_size, seed=100 + step)
-            if way != "one process":
-                X, y = X.chunk(world)[rank], y.chunk(world)[rank]
-            train_step(wrapped, opt, X, y)
-        trained[way] = full_parameters(wrapped)
+    out = {}
+    for optimizer in optimizers:
+        trained = {}
+        for way in ("fsdp", "torch fully_shard", "one process"):
+            if way == "one process":
+                wrapped = lenet_layers(0)
+                opt = make_optimizer(wrapped.parameters(), optimizer)
+            else:
+                wrapped, opt = fsdp_built(way, optimizer=optimizer)
+            for step in range(steps):
+                X, y = random_batch(batch_size, seed=100 + step)
+                if way != "one process":
+                    X, y = X.chunk(world)[rank], y.chunk(world)[rank]
+                train_step(wrapped, opt, X, y)
+            trained[way] = full_parameters(wrapped)
 
-    def largest(a: str, b: str) -> float:
-        return max((trained[a][k] - trained[b][k]).abs().max().item() for k in trained[a])
+        def largest(a: str, b: str) -> float:
+            return max((trained[a][k] - trained[b][k]).abs().max().item() for k in trained[a])
 
-    return {"fsdp vs one process": largest("fsdp", "one process"),
-            "fully_shard vs one process": largest("torch fully_shard", "one process"),
-            "fsdp vs fully_shard": largest("fsdp", "torch fully_shard")}
+        out[optimizer] = {"fsdp vs one process": largest("fsdp", "one process"),
+                          "fully_shard vs one process": largest("torch fully_shard",
+                                                                "one process"),
+                          "fsdp vs fully_shard": largest("fsdp", "torch fully_shard")}
+    return out
 
 
-def against_fully_shard(world_size: int = 2, optimizer: str = "sgd", steps: int = 5,
-                        batch_size: int = 64, timeout: float = 180.0) -> dict[str, float]:
-    """The largest absolute differences between LeNet's parameters after steps steps of
-    optimizer ("sgd" or "adamw": OPTIMIZERS) trained by ScratchFSDP, by torch's fully_shard
-    (gloo, CPU mesh) and in one process on the whole batches (rank 0's figures; float32, so expect
-    about 1e-7, not 0). pytorch/pytorch#162338 reported fully_shard on gloo summing gradients
-    instead of averaging them: SGD would show a difference of the order of the update."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {optimizer!r}")
-    return launch(against_fully_shard_on_rank, optimizer, steps, batch_size,
+def against_fully_shard(world_size: int = 2, optimizers: tuple[str, ...] = ("sgd", "adamw"),
+                        steps: int = 5, batch_size: int = 64,
+                        timeout: float = 180.0) -> dict[str, dict[str, float]]:
+    """{optimizer: the largest absolute differences between LeNet's parameters after steps
+    steps trained by ScratchFSDP, by torch's fully_shard (gloo, CPU mesh) and in one process
+    on the whole batches} for each of optimizers ("sgd", "adamw": OPTIMIZERS), in one launch
+    (rank 0's figures; float32, so expect about 1e-7, not 0). pytorch/pytorch#162338 reported
+    fully_shard on gloo summing gradients instead of averaging them: SGD would show a
+    difference of the order of the update."""
+    unknown = [o for o in optimizers if o not in OPTIMIZERS]
+    if unknown:
+        raise ValueError(f"optimizers must be among {tuple(OPTIMIZERS)}, got {unknown}")
+    return launch(against_fully_shard_on_rank, list(optimizers), steps, batch_size,
                   world_size=world_size, backend="gloo", timeout=timeout)[0]
 
 
@@ -495,23 +503,28 @@ def gloo_reduce_scatter(world_size: int = 2, numels: tuple[int, ...] = RS_NUMELS
 
 # --- one step's timeline -------------------------------------------------------------------------
 
-def fsdp_timeline_on_rank(prefetch: bool, batch_size: int) -> list[tuple[str, str, float, float]]:
-    """ScratchFSDP.events of one LeNet step after WARMUP_STEPS, in seconds after its start."""
+def fsdp_timelines_on_rank(batch_size: int) -> dict[str, list[tuple[str, str, float, float]]]:
+    """ScratchFSDP.events of one LeNet step after WARMUP_STEPS, in seconds after its start,
+    with prefetch and without."""
     X, y = model_batch("lenet", batch_size, seed=dist.get_rank())
-    wrapped, opt = fsdp_built("fsdp" if prefetch else "fsdp no prefetch")
-    for _ in range(WARMUP_STEPS):
+    out = {}
+    for prefetch in (True, False):
+        wrapped, opt = fsdp_built("fsdp" if prefetch else "fsdp no prefetch")
+        for _ in range(WARMUP_STEPS):
+            train_step(wrapped, opt, X, y)
+        dist.barrier()
+        start = time.perf_counter()
         train_step(wrapped, opt, X, y)
-    dist.barrier()
-    start = time.perf_counter()
-    train_step(wrapped, opt, X, y)
-    return [(kind, unit, begin - start, end - start) for kind, unit, begin, end in wrapped.events]
+        out[f"prefetch={prefetch}"] = [(kind, unit, begin - start, end - start)
+                                       for kind, unit, begin, end in wrapped.events]
+    return out
 
 
-def fsdp_timeline(world_size: int = 2, prefetch: bool = True, batch_size: int = 64,
-                  timeout: float = 120.0) -> list[tuple[str, str, float, float]]:
-    """Rank 0's timeline of one ScratchFSDP step of LeNet (lenet_layers, AdamW): (kind, unit,
-    start, end) in seconds after the step began; kind is "all-gather" or "reduce-scatter"
-    (communication), "forward" or "backward" (a unit's compute), or "wait" (blocked on a
-    gather)."""
-    return launch(fsdp_timeline_on_rank, prefetch, batch_size, world_size=world_size,
-                  backend="gloo", timeout=timeout)[0]
+def fsdp_timelines(world_size: int = 2, batch_size: int = 64,
+                   timeout: float = 120.0) -> dict[str, list[tuple[str, str, float, float]]]:
+    """Rank 0's timelines of one ScratchFSDP step of LeNet (lenet_layers, AdamW), under
+    "prefetch=True" and "prefetch=False": (kind, unit, start, end) in seconds after the step
+    began; kind is "all-gather" or "reduce-scatter" (communication), "forward" or "backward"
+    (a unit's compute), or "wait" (blocked on a gather)."""
+    return launch(fsdp_timelines_on_rank, batch_size, world_size=world_size, backend="gloo",
+                  timeout=timeout)[0]
