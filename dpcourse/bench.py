@@ -16,7 +16,7 @@ import torch
 
 from .collectives import allreduce, get_params
 from .cost_model import AlphaBeta, best_layout, cost_in_step
-from .experiments import fsdp_demos, performance, zero_memory
+from .experiments import comm_demos, fsdp_demos, performance, zero_memory
 from .experiments.performance import FIT_FROM, FIT_TO, fit_allreduces, size_label
 from .experiments.simulated import forward_backward_seconds
 from .experiments.throughput import (ALLREDUCES, NO_ALLREDUCE, bus_bandwidth, compare_ddp,
@@ -333,6 +333,68 @@ def bench_fsdp(sizes: Sizes, figures: dict) -> None:
                    peak=peak)
 
 
+COMM_METHODS = ("ddp", "bf16", "powersgd r=1", "powersgd r=2", "powersgd r=4", "local sgd H=4",
+                "diloco H=4", "diloco H=16")  # chapter 11's methods, and PowerSGD's goal rank
+DILOCO_SWEEP = {False: (400, ("ddp", "diloco H=4", "diloco H=16", "diloco H=50", "diloco H=100")),
+                True: (100, ("ddp", "diloco H=4", "diloco H=50"))}  # quick -> (steps, methods)
+
+
+def print_comm_table(results: dict) -> None:
+    """One row per method: test accuracy and loss, payload per rank, ms per step measured
+    here and modelled across two machines at 1 Gbit/s."""
+    modelled = comm_demos.across_two_machines(results, link_gbit=1.0)
+    ddp = results["ddp"]["bytes_sent_per_rank"]
+    print(f"  {'method':14s} {'accuracy':>8s} {'loss':>6s} {'bytes/rank':>10s} {'x fewer':>7s}"
+          f" {'syncs':>5s} {'ms here':>7s} {'ms @1Gbit/s':>11s}")
+    for m, r in results.items():
+        print(f"  {m:14s} {100 * r['final_accuracy']:7.1f}% {r['final_loss']:6.3f} "
+              f"{size_label(r['bytes_sent_per_rank']):>10s} "
+              f"{ddp / r['bytes_sent_per_rank']:7.1f} {r['syncs']:5d} "
+              f"{r['seconds_per_step'] * 1e3:7.1f} {modelled[m]['step_s'] * 1e3:11.1f}")
+
+
+def bench_comm(quick: bool, figures: dict) -> None:
+    """Chapter 11: every method on one task (LeNet, AdamW, 2 ranks), our PowerSGD against
+    torch's powerSGD_hook at rank 2, and DiLoCo's longer sync intervals."""
+    r = comm_demos.one_task(2, methods=COMM_METHODS, quick=quick, timeout=600)
+    size = comm_demos.QUICK if quick else comm_demos.FULL
+    print(f"\nChapter 11, LeNet with AdamW, 2 processes x {size['batch_size']} images, "
+          f"{size['steps']} steps; test figures on {size['test_size']} images; modelled: "
+          "measured compute + a ring allreduce of the payload, 50 us per message:")
+    print_comm_table(r)
+    ddp, r2 = r["ddp"], r["powersgd r=2"]
+    plain = ddp["bytes_sent_per_rank"] / ddp["steps"]  # PowerSGD's first 2 steps send this
+    compressed = (r2["bytes_sent_per_rank"] - 2 * plain) / (r2["steps"] - 2) / plain
+    gap = 100 * (ddp["final_accuracy"] - r2["final_accuracy"])
+    print(f"  PowerSGD rank 2: a compressed step sends x{compressed:.3f} of DDP's bytes "
+          f"(goal <= 0.1: {'goal met' if compressed <= 0.1 else 'above the goal'}); "
+          f"accuracy {gap:+.1f} points below DDP's (goal <= 1: "
+          f"{'goal met' if gap <= 1 else 'outside the goal'})")
+    torch_r = comm_demos.compare_with_torch_powersgd(2, 2, quick=quick, timeout=600)
+    print("  on torch's DDP at rank 2, ours against torch's powerSGD_hook:")
+    for way in ("ours", "torch"):
+        t = torch_r[way]
+        print(f"    {way:5s}: {100 * t['final_accuracy']:5.1f}%, loss {t['final_loss']:.3f}, "
+              f"{size_label(t['bytes_sent_per_rank'])} per rank in {t['allreduces']} "
+              f"allreduces, {t['seconds_per_step'] * 1e3:.1f} ms per step")
+    met = "goal met" if torch_r["time_ratio"] <= 1.1 else "above the goal"
+    print(f"    our time per step / torch's: x{torch_r['time_ratio']:.2f} (goal <= 1.1: {met})")
+    steps, methods = DILOCO_SWEEP[quick]
+    sweep = comm_demos.one_task(2, steps=steps, methods=methods, quick=quick, timeout=600)
+    print(f"  DiLoCo sweep, {steps} steps (inner AdamW, outer lr 0.7, Nesterov 0.9):")
+    print_comm_table(sweep)
+    for m in methods[1:]:
+        fewer = sweep["ddp"]["bytes_sent_per_rank"] / sweep[m]["bytes_sent_per_rank"]
+        loss = sweep[m]["final_loss"] / sweep["ddp"]["final_loss"] - 1
+        print(f"    {m}: x{fewer:.0f} fewer bytes than DDP, final loss {100 * loss:+.1f}% of "
+              f"DDP's" + (f" (goal >= 40x and within 5%: "
+                           f"{'goal met' if fewer >= 40 and loss <= 0.05 else 'not met'})"
+                           if m == "diloco H=50" else ""))
+    figures.update(one_task=r, modelled_1gbit=comm_demos.across_two_machines(r),
+                   torch_powersgd=torch_r, diloco_sweep=sweep,
+                   section_1=comm_demos.ddp_across_two_machines(ddp["seconds_per_step"]))
+
+
 class Laps(dict):
     """Seconds each section of the benchmark took, by name, in order."""
 
@@ -417,6 +479,8 @@ def main(argv: list[str] | None = None) -> dict:
     laps.lap("chapter 09")
     bench_fsdp(sizes, figures.setdefault("chapter_10", {}))
     laps.lap("chapter 10")
+    bench_comm(args.quick, figures.setdefault("chapter_11", {}))
+    laps.lap("chapter 11")
     print(f"\nThe benchmark took {sum(laps.values()):.0f} s: "
           + ", ".join(f"{name} {t:.0f} s" for name, t in laps.items()))
     if args.json is not None:

@@ -628,7 +628,7 @@ def show_zero_memory(stages: dict[int, dict[str, dict]]) -> None:
 # ---- chapter 10 ----
 
 def show_fsdp_timeline(timelines: dict[str, list]) -> None:
-    """One panel per case (name -> fsdp_demos.fsdp_timeline(...)): each unit's forward and
+    """One panel per case (fsdp_demos.fsdp_timelines(...): name -> events): each unit's forward and
     backward on the compute lane (a red bar: waiting for a gather), its all-gathers and
     reduce-scatters on the communication lane, in ms after the step began."""
     fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 0.5 + 1.3 * len(timelines)),
@@ -691,4 +691,69 @@ def show_largest_model(device_bytes: float = 80e9, worlds: tuple[int, ...] = (8,
     ax.set_title(f"The largest model whose states fit {device_bytes / 1e9:g} GB per device",
                  fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
+    _show(fig)
+
+
+# ---- chapter 11 ----
+
+def show_rank_error(errors: dict) -> None:
+    """The relative error of a gradient's rank-r approximation against r, log-log: one power
+    iteration from a random Q, and the best (the SVD's; comm_demos.approximation_error)."""
+    fig, ax = plt.subplots(figsize=(6.4, 2.8))
+    floor = 1e-8  # an exact approximation drawn at the bottom of the log scale
+    for key, label, style in (("power_iteration", "one power iteration", "o-"),
+                              ("best", "best rank r (SVD)", "s--")):
+        ax.plot(errors["ranks"], [max(e, floor) for e in errors[key]], style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(errors["ranks"], [str(r) for r in errors["ranks"]])
+    ax.set_xlabel("rank r")
+    ax.set_ylabel("||M - M_r|| / ||M||")
+    n, m = errors["shape"]
+    ax.set_title(f"LeNet's {n} x {m} gradient, approximated at rank r", fontsize=10)
+    ax.legend(fontsize=8)
+    _show(fig)
+
+
+def show_bytes_against_loss(results: dict) -> None:
+    """Each method's final test loss against the bytes it sent per rank (log x; left) and its
+    loss curves, smoothed (right): comm_demos.one_task's results."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    for i, (method, r) in enumerate(results.items()):
+        color = plt.cm.tab10.colors[i % 10]
+        left.scatter(r["bytes_sent_per_rank"], r["final_loss"], color=color, label=method)
+        left.annotate(method, (r["bytes_sent_per_rank"], r["final_loss"]), fontsize=7,
+                      xytext=(4, 3), textcoords="offset points")
+        curve = torch.tensor(r["loss_curve"])
+        window = min(8, len(curve))
+        smooth = curve.unfold(0, window, 1).mean(1)
+        right.plot(range(window, len(curve) + 1), smooth, color=color, label=method)
+    left.set_xscale("log")
+    left.xaxis.set_minor_formatter(plt.NullFormatter())
+    left.set_xlabel("bytes sent per rank over the run")
+    left.set_ylabel("final test loss")
+    right.set_xlabel("step")
+    right.set_ylabel("training loss (rank 0, mean of 8)")
+    right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("The same task and steps: bytes against loss", fontsize=10)
+    _show(fig)
+
+
+def show_comm_model(model: dict) -> None:
+    """The share of a DDP step spent communicating across two machines, per link, for each
+    model (comm_demos.ddp_across_two_machines)."""
+    fig, ax = plt.subplots(figsize=(6.4, 2.6))
+    width = 0.8 / len(model)
+    for j, (name, links) in enumerate(model.items()):
+        x = [i - 0.4 + width * (j + 0.5) for i in range(len(links))]
+        shares = [100 * r["comm_share"] for r in links.values()]
+        ax.bar(x, shares, width * 0.9, label=name)
+        for xi, s in zip(x, shares):
+            ax.text(xi, s + 1, f"{s:.0f}%", ha="center", fontsize=7)
+    ax.set_xticks(range(len(links)), [f"{g:g} Gbit/s" for g in links])
+    ax.set_ylim(0, 110)
+    ax.set_ylabel("% of the step communicating")
+    ax.set_title("One DDP step across two machines (alpha-beta model, no overlap)",
+                 fontsize=10)
+    ax.legend(fontsize=8)
     _show(fig)
