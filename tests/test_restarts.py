@@ -7,17 +7,14 @@ Every run is LeNet on 2 CPU processes with gloo (bitwise equality holds there: t
 operations on the same data in the same order; torch's DDP too, since 2 ranks add a + b =
 b + a whatever its buckets).
 """
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from dpcourse import resume
+from dpcourse.experiments import restarts
 
 COMMON = ["--train-size", "1536", "--batch-size", "16", "--epochs", "2", "--lr", "0.05",
           "--timeout", "30", "--checkpoint-every", "10"]
@@ -25,49 +22,9 @@ MODES = {"scratch": ["--scratch"], "torch": ["--torch"], "fsdp": ["--fsdp"],
          "powersgd": ["--scratch", "--comm-hook", "powersgd"], "diloco": ["--diloco", "7"]}
 
 
-def command(path: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "--max-restarts=3", "-m", "dpcourse.train_ddp", *COMMON, "--checkpoint", str(path),
-            *flags]
-
-
-ENV = {**os.environ, "DPCOURSE_DATA": "synthetic"}  # never wait for the network
-
-
 def run(path: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command(path, *flags), capture_output=True, text=True, timeout=240,
-                          env=ENV)
-
-
-def workers_of(pid: int) -> list[int]:
-    """The processes whose parent is pid (Linux's /proc)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return sorted(kids)
-
-
-def killed_run(path: Path, *flags: str) -> tuple[int, str]:
-    """The command, one worker SIGKILLed as soon as the first checkpoint exists: exit code
-    and output."""
-    proc = subprocess.Popen(command(path, *flags), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=ENV)
-    deadline = time.monotonic() + 120
-    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    victims = workers_of(proc.pid)
-    assert proc.poll() is None and victims, "the run ended before a worker could be killed"
-    os.kill(victims[-1], signal.SIGKILL)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    return proc.returncode, output
+    return subprocess.run(restarts.torchrun_command(path, *COMMON, *flags), capture_output=True,
+                          text=True, timeout=240, env=restarts.environment())
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -76,10 +33,10 @@ def runs(request, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp(request.param)
     whole = run(folder / "whole.pt", *flags)
     assert whole.returncode == 0, whole.stdout + whole.stderr
-    code, output = killed_run(folder / "killed.pt", *flags)
+    killed = restarts.killed_run(folder / "killed.pt", *COMMON, *flags)
     return {"mode": request.param, "whole": resume.load(folder / "whole.pt", torch.device("cpu")),
-            "killed": resume.load(folder / "killed.pt", torch.device("cpu")), "code": code,
-            "output": output}
+            "killed": resume.load(folder / "killed.pt", torch.device("cpu")),
+            "code": killed["exit_code"], "output": killed["output"]}
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_like_the_uninterrupted_one(runs):
