@@ -137,3 +137,14 @@ def test_ring_reduce_scatter_sends_half_of_gloos():
     assert r["p2p.ring_reduce_scatter"][1024]["bytes_sent"] == 2048
     assert r["gloo reduce_scatter"][1024]["bytes_sent"] == 4096
     assert all(r[name][1024]["seconds"] > 0 for name in fsdp_demos.REDUCE_SCATTERS)
+
+
+def test_counting_collectives_works_on_a_torch_without_the_single_names(monkeypatch):
+    """torch 2.8-2.13 have no all_gather_single / reduce_scatter_single (found on a GPU host
+    with torch 2.11): the counter counts what exists and puts back what it replaced."""
+    import torch.distributed as dist
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    before = dist.all_reduce
+    assert fsdp_demos.collective_bytes(lambda: None) == {"bytes_gathered": 0, "bytes_reduced": 0}
+    assert dist.all_reduce is before and not hasattr(dist, "all_gather_single")

@@ -328,7 +328,8 @@ def collective_bytes(fn: Callable[[], object]) -> dict[str, int]:
     (all-gather outputs, broadcasts: the owners' together make an all-gather) and reductions
     (allreduce tensors, reduce-scatter inputs)."""
     counted = {"bytes_gathered": 0, "bytes_reduced": 0}
-    originals = {name: getattr(dist, name) for name in (*GATHERS, *REDUCES)}
+    originals = {name: getattr(dist, name) for name in (*GATHERS, *REDUCES)
+                 if hasattr(dist, name)}  # the *_single names are new in torch 2.14
 
     def counting(name: str, key: str, where: tuple[int, str]) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -338,10 +339,9 @@ def collective_bytes(fn: Callable[[], object]) -> dict[str, int]:
         return call
 
     try:
-        for name, where in GATHERS.items():
-            setattr(dist, name, counting(name, "bytes_gathered", where))
-        for name, where in REDUCES.items():
-            setattr(dist, name, counting(name, "bytes_reduced", where))
+        for name in originals:
+            key = "bytes_gathered" if name in GATHERS else "bytes_reduced"
+            setattr(dist, name, counting(name, key, {**GATHERS, **REDUCES}[name]))
         fn()
     finally:
         for name, original in originals.items():
