@@ -53,6 +53,21 @@ class DiLoCo:
     @torch.no_grad()
     def sync(self) -> None:
         """Average the pseudo-gradients and the buffers; the outer step from the round's start."""
+        averaged = self._average_round()
+        for p, s, delta in zip(self.params, self.start, averaged):
+            p.copy_(s)
+            p.grad = delta
+        self.outer.step()
+        for p, s in zip(self.params, self.start):
+            s.copy_(p)
+        self.inner.zero_grad()
+        self.syncs += 1
+
+    @torch.no_grad()
+    def _average_round(self) -> list[torch.Tensor]:
+        """One allreduce: each parameter's pseudo-gradient (the round's start minus it)
+        averaged over the ranks, returned; the float buffers averaged in place in the same
+        message; the integer buffers (BatchNorm's counters) set to rank 0's."""
         world = dist.get_world_size()
         deltas = torch.cat([(s - p).reshape(-1) for s, p in zip(self.start, self.params)])
         floats = [b for b in self.model.buffers() if b.is_floating_point()]
@@ -60,19 +75,12 @@ class DiLoCo:
         self.bytes_sent += flat.nbytes
         dist.all_reduce(flat)  # one message per round: the averaged pseudo-gradients
         averaged = flat.split([p.numel() for p in self.params] + [b.numel() for b in floats])
-        for p, s, delta in zip(self.params, self.start, averaged):
-            p.copy_(s)
-            p.grad = delta.view_as(p).clone()
         for b, average in zip(floats, averaged[len(self.params):]):
             b.copy_(average.view_as(b))
         for b in self.model.buffers():
             if not b.is_floating_point():
                 dist.broadcast(b, src=0)  # counters (BatchNorm's batches seen): rank 0's
-        self.outer.step()
-        for p, s in zip(self.params, self.start):
-            s.copy_(p)
-        self.inner.zero_grad()
-        self.syncs += 1
+        return [a.view_as(p).clone() for a, p in zip(averaged, self.params)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "outer": self.outer.state_dict(),

@@ -1,0 +1,175 @@
+"""The checkers of chapter 11 pass the package's code and right answers, and reject known wrong
+ones with the reason; their references agree with brute force."""
+import math
+import re
+
+import pytest
+import torch
+
+from dpcourse.cost_model import ring_allreduce_cost
+from dpcourse.exercises import ch11
+from dpcourse.exercises.ch11 import (SYNC_CASES, check_bf16_hook, check_low_rank_average,
+                                     check_rank_like_bf16, check_sync, check_sync_every,
+                                     rank_like_bf16, sync_every_reference)
+from dpcourse.exercises.yours import load
+from dpcourse.launch import launch
+
+
+def said(capsys) -> str:
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", [check_rank_like_bf16, check_sync_every])
+def test_no_answer_is_not_answered_yet(capsys, check):
+    check(None)
+    assert said(capsys) == "not answered yet\n"
+
+
+# --- the parts a student writes (run on 2 ranks) ---------------------------------------------
+
+PACKAGE = """
+from dpcourse.compression import bf16_hook, low_rank_average
+from dpcourse.local_sgd import DiLoCo
+"""
+
+MISTAKES = """
+import torch
+import torch.distributed as dist
+
+from dpcourse.compression import _done, low_rank_average as right_low_rank
+from dpcourse.local_sgd import DiLoCo
+
+
+def summing_bf16(group, bucket):
+    half = bucket.buffer().to(torch.bfloat16)
+    dist.all_reduce(half)
+    return _done(bucket.buffer().copy_(half))
+
+
+def float32_bf16(group, bucket):
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    dist.all_reduce(buffer)
+    return _done(buffer)
+
+
+def summing_low_rank(state, param, grad):
+    return right_low_rank(state, param, grad) * dist.get_world_size()
+
+
+def forgetful_low_rank(state, param, grad):
+    state.errors.pop(param, None)
+    return right_low_rank(state, param, grad)
+
+
+class SummingDiLoCo(DiLoCo):
+    @torch.no_grad()
+    def sync(self):
+        for p, s in zip(self.params, self.start):  # pseudo-gradients world times too large
+            p.sub_((dist.get_world_size() - 1) * (s - p))
+        super().sync()
+
+
+class FromCurrentDiLoCo(DiLoCo):
+    @torch.no_grad()
+    def sync(self):  # the outer step from the current parameters, not the round's start
+        deltas = torch.cat([(s - p).reshape(-1) for s, p in zip(self.start, self.params)])
+        flat = deltas.div_(dist.get_world_size())
+        self.bytes_sent += flat.nbytes
+        dist.all_reduce(flat)
+        for p, delta in zip(self.params, flat.split([p.numel() for p in self.params])):
+            p.grad = delta.view_as(p).clone()
+        self.outer.step()
+        for p, s in zip(self.params, self.start):
+            s.copy_(p)
+        self.inner.zero_grad()
+        self.syncs += 1
+"""
+
+
+def rank_messages(path: str, cases: list[tuple]) -> list[str]:
+    """On a rank: the line each (check, name) prints for name in path, or its AssertionError."""
+    out = []
+    for check, name in cases:
+        try:
+            out.append(check(load(path, name)))
+        except AssertionError as error:
+            out.append(f"AssertionError: {error}")
+    return out
+
+
+def test_the_rank_checks_pass_the_packages_code(tmp_path):
+    path = tmp_path / "package.py"
+    path.write_text(PACKAGE)
+    cases = [(check_bf16_hook, "bf16_hook"), (check_low_rank_average, "low_rank_average"),
+             (check_sync, "DiLoCo")]
+    for lines in launch(rank_messages, str(path), cases, backend="gloo", timeout=180):
+        assert [line.split(" is right: on 2 ranks")[0] for line in lines] == [
+            "bf16_hook", "low_rank_average", "sync"], lines
+
+
+def test_the_rank_checks_say_what_is_wrong(tmp_path):
+    path = tmp_path / "mistakes.py"
+    path.write_text(MISTAKES)
+    cases = {(check_bf16_hook, "summing_bf16"): "divide by the world size",
+             (check_bf16_hook, "float32_bf16"): "cast to bfloat16 before sending",
+             (check_low_rank_average, "summing_low_rank"): "the ranks' sum",
+             (check_low_rank_average, "forgetful_low_rank"): r"step 1: .*state.errors",
+             (check_sync, "SummingDiLoCo"): "sum of the pseudo-gradients",
+             (check_sync, "FromCurrentDiLoCo"): "copy the round's start"}
+    lines = launch(rank_messages, str(path), list(cases), backend="gloo", timeout=180)[0]
+    for line, reason in zip(lines, cases.values()):
+        assert line.startswith("AssertionError") and re.search(reason, line), (reason, line)
+
+
+def test_bfloat16_rounds_within_the_stated_tolerance():
+    """The 2^-7 bound: bfloat16 keeps 8 significant bits, so one rounding errs by at most
+    2^-8 relative; the average rounds twice (the halves, then their sum)."""
+    assert ch11.BF16_TOLERANCE == 2.0 ** -7
+    x = torch.randn(10_000, dtype=torch.float64)
+    rounded = x.to(torch.bfloat16).double()
+    assert ((rounded - x).abs() <= 2.0 ** -8 * x.abs()).all()
+    assert ((rounded - x).abs() > 2.0 ** -9 * x.abs()).any()  # the bound is not loose by 2
+
+
+# --- exercise 1: the rank that sends as many bytes as bfloat16 --------------------------------
+
+def test_rank_like_bf16_is_the_largest_rank_not_sending_more():
+    n, m = ch11.DENSE
+    r = rank_like_bf16()
+    assert 4 * r * (n + m) <= 2 * n * m < 4 * (r + 1) * (n + m)
+
+
+@pytest.mark.parametrize("answer, reason", [(None, "not answered yet"), (55, "correct"),
+                                            (110, "float32 here"), (27, "2 bytes, not 1"),
+                                            (56, "round down"), (128, "full rank"),
+                                            (55.2, "whole number"), (40, "largest whole r")])
+def test_the_rank_checker_explains(capsys, answer, reason):
+    check_rank_like_bf16(answer)
+    assert reason in said(capsys)
+
+
+# --- exercise 2: sync_every for a link --------------------------------------------------------
+
+@pytest.mark.parametrize("case", SYNC_CASES)
+def test_sync_every_reference_is_the_smallest_h_by_brute_force(case):
+    model_bytes, step, link, world = case
+    t = ring_allreduce_cost(link, world).time(model_bytes)
+    ok = [h for h in range(1, 2000) if t <= 0.1 * (h * step + t)]
+    assert sync_every_reference(*case) == ok[0]
+
+
+def test_the_sync_every_checker_passes_the_reference_and_explains(capsys):
+    check_sync_every(sync_every_reference)
+    assert said(capsys).startswith("correct: a 1B-parameter model")
+
+    def of_compute(model_bytes, step, link, world):
+        t = ring_allreduce_cost(link, world).time(model_bytes)
+        return max(1, math.ceil(t / (0.1 * step)))
+
+    def one_message(model_bytes, step, link, world):
+        return max(1, math.ceil(9 * link.time(model_bytes) / step))
+    for wrong, reason in ((of_compute, "not t / (H step)"), (one_message, "not an allreduce"),
+                          (lambda *case: 0, "smallest whole H"),
+                          (lambda *case: 2.5, "whole number")):
+        check_sync_every(wrong)
+        assert reason in said(capsys)
