@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from .comm_hooks import allreduce_hook
 
-__all__ = ["allreduce_hook", "bf16_hook", "PowerSGDState", "powersgd_hook"]
+__all__ = ["allreduce_hook", "bf16_hook", "PowerSGDState", "powersgd_hook", "low_rank_averages",
+           "summed"]
 
 
 def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -74,7 +75,7 @@ def powersgd_hook(state: PowerSGDState,
                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket exactly until state.start_step, then each matrix-shaped gradient
     (a conv kernel as shape[0] x the rest) as a rank-r product P Q^T: r(n + m) numbers sent
-    instead of n m. Vectors (biases) are averaged uncompressed."""
+    instead of n m. Vectors (biases) are averaged uncompressed, in one allreduce."""
     world, buffer = dist.get_world_size(), bucket.buffer()
     params = bucket.parameters()
     if state.step < state.start_step:
@@ -83,36 +84,44 @@ def powersgd_hook(state: PowerSGDState,
     else:
         pieces = buffer.split([p.numel() for p in params])
         vectors = [piece for p, piece in zip(params, pieces) if p.dim() <= 1]
-        if vectors:
-            flat = torch.cat(vectors).div_(world)
-            state.bytes_sent += flat.nbytes
-            dist.all_reduce(flat)
-            for piece, average in zip(vectors, flat.split([v.numel() for v in vectors])):
-                piece.copy_(average)
-        for p, piece in zip(params, pieces):
-            if p.dim() > 1:
-                piece.copy_(low_rank_average(state, p, piece.view(p.shape[0], -1)).reshape(-1))
+        state.bytes_sent += sum(v.nbytes for v in vectors)
+        for piece, average in zip(vectors, summed([v / world for v in vectors])):
+            piece.copy_(average)
+        matrices = [(p, piece.view(p.shape[0], -1))
+                    for p, piece in zip(params, pieces) if p.dim() > 1]
+        approxes = low_rank_averages(state, [p for p, _ in matrices], [g for _, g in matrices])
+        for (_, grad), approx in zip(matrices, approxes):
+            grad.copy_(approx)  # a view into the bucket's buffer
     if bucket.is_last():
         state.step += 1
     return _done(buffer)
 
 
-def low_rank_average(state: PowerSGDState, param: torch.Tensor,
-                     grad: torch.Tensor) -> torch.Tensor:
-    """One power iteration on this rank's n x m grad (plus its error): the rank-r
-    approximation P Q^T of the average over the ranks, with P orthonormal."""
-    n, m = grad.shape
-    rank = min(state.matrix_rank, n, m)  # at min(n, m) the approximation is exact
-    M = grad + state.errors[param] if param in state.errors else grad.clone()
-    q = state.qs[param] if param in state.qs else state.initial_q(grad, rank)
-    p = M @ q
-    dist.all_reduce(p)
-    p = torch.linalg.qr(p).Q  # orthonormal columns: the sum's scale does not matter
-    q = M.T @ p
-    dist.all_reduce(q.div_(dist.get_world_size()))
-    state.bytes_sent += p.nbytes + q.nbytes
-    state.qs[param] = q  # warm start for the next step
-    approx = p @ q.T
-    if state.error_feedback:
-        state.errors[param] = M - approx  # what was not sent, added to the next gradient
-    return approx
+def low_rank_averages(state: PowerSGDState, params: list[torch.Tensor],
+                      grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One power iteration on each of this rank's n x m grads (plus its error): the rank-r
+    approximations P Q^T of the averages over the ranks, each P orthonormal. The P's of all
+    the matrices travel in one allreduce, then their Q's in another (as torch's hook does)."""
+    world = dist.get_world_size()
+    Ms = [g + state.errors[p] if p in state.errors else g.clone() for p, g in zip(params, grads)]
+    qs = [state.qs[p] if p in state.qs else  # rank min(n, m) at most: then it is exact
+          state.initial_q(g, min(state.matrix_rank, *g.shape)) for p, g in zip(params, grads)]
+    ps = [torch.linalg.qr(p).Q for p in summed([M @ q for M, q in zip(Ms, qs)])]  # the sum's
+    qs = summed([M.T @ p / world for M, p in zip(Ms, ps)])  # scale does not matter to QR
+    approxes = []
+    for param, M, p, q in zip(params, Ms, ps, qs):
+        state.bytes_sent += p.nbytes + q.nbytes
+        state.qs[param] = q  # warm start for the next step
+        approxes.append(p @ q.T)
+        if state.error_feedback:
+            state.errors[param] = M - approxes[-1]  # what was not sent, added next time
+    return approxes
+
+
+def summed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors summed over the ranks, in one all_reduce of them all, flattened together."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]

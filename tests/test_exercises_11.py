@@ -28,7 +28,7 @@ def test_no_answer_is_not_answered_yet(capsys, check):
 # --- the parts a student writes (run on 2 ranks) ---------------------------------------------
 
 PACKAGE = """
-from dpcourse.compression import bf16_hook, low_rank_average
+from dpcourse.compression import bf16_hook, low_rank_averages
 from dpcourse.local_sgd import DiLoCo
 """
 
@@ -36,7 +36,7 @@ MISTAKES = """
 import torch
 import torch.distributed as dist
 
-from dpcourse.compression import _done, low_rank_average as right_low_rank
+from dpcourse.compression import _done, low_rank_averages as right_low_rank
 from dpcourse.local_sgd import DiLoCo
 
 
@@ -52,13 +52,14 @@ def float32_bf16(group, bucket):
     return _done(buffer)
 
 
-def summing_low_rank(state, param, grad):
-    return right_low_rank(state, param, grad) * dist.get_world_size()
+def summing_low_rank(state, params, grads):
+    return [a * dist.get_world_size() for a in right_low_rank(state, params, grads)]
 
 
-def forgetful_low_rank(state, param, grad):
-    state.errors.pop(param, None)
-    return right_low_rank(state, param, grad)
+def forgetful_low_rank(state, params, grads):
+    for param in params:
+        state.errors.pop(param, None)
+    return right_low_rank(state, params, grads)
 
 
 class SummingDiLoCo(DiLoCo):
@@ -100,11 +101,11 @@ def rank_messages(path: str, cases: list[tuple]) -> list[str]:
 def test_the_rank_checks_pass_the_packages_code(tmp_path):
     path = tmp_path / "package.py"
     path.write_text(PACKAGE)
-    cases = [(check_bf16_hook, "bf16_hook"), (check_low_rank_average, "low_rank_average"),
+    cases = [(check_bf16_hook, "bf16_hook"), (check_low_rank_average, "low_rank_averages"),
              (check_sync, "DiLoCo")]
     for lines in launch(rank_messages, str(path), cases, backend="gloo", timeout=180):
         assert [line.split(" is right: on 2 ranks")[0] for line in lines] == [
-            "bf16_hook", "low_rank_average", "sync"], lines
+            "bf16_hook", "low_rank_averages", "sync"], lines
 
 
 def test_the_rank_checks_say_what_is_wrong(tmp_path):

@@ -158,7 +158,7 @@ def bf16_against_float32(steps: int = 3) -> dict[str, Any]:
             "ScratchDDP": _hooked("scratch", None, bf16_hook, steps)}
 
 
-# --- section 3: low_rank_average (run on 2 ranks) --------------------------------------------
+# --- section 3: low_rank_averages (run on 2 ranks) -------------------------------------------
 
 def _matrices(rank: int, shape: tuple[int, int], step: int) -> torch.Tensor:
     """Rank's made-up float64 gradient of the given shape at step."""
@@ -181,16 +181,25 @@ def _low_rank_hint(want: torch.Tensor, got: torch.Tensor, world: int) -> str:
             "(torch.linalg.qr(p).Q), Q = M^T P divided by the world size, all_reduce Q, P Q^T")
 
 
-def check_low_rank_average(fn: Callable[[PowerSGDState, torch.Tensor, torch.Tensor],
-                                        torch.Tensor]) -> str:
-    """On each rank: your low_rank_average at full rank is the exact average (float64, 1e-12);
-    at rank 2, three steps equal one power iteration each on the ranks' matrices plus their
-    errors, warm-started (1e-10); the bytes are r(n + m) numbers; the state is kept."""
+def _one(result: Any, count: int = 1) -> Any:
+    """The approximations low_rank_averages returned: a list of count tensors, or why not."""
+    assert isinstance(result, (list, tuple)) and len(result) == count, (
+        f"returned {type(result).__name__}{f' of {len(result)}' if isinstance(result, (list, tuple)) else ''}"
+        f": return a list with one approximation per matrix ({count} here)")
+    return result[0] if count == 1 else result
+
+
+def check_low_rank_average(fn: Callable[[PowerSGDState, list[torch.Tensor], list[torch.Tensor]],
+                                        list[torch.Tensor]]) -> str:
+    """On each rank: your low_rank_averages at full rank is the exact average (float64, 1e-12),
+    for two matrices of other shapes at once too; at rank 2, three steps equal one power
+    iteration each on the ranks' matrices plus their errors, warm-started (1e-10); the bytes
+    are r(n + m) numbers; the state is kept."""
     rank, world = dist.get_rank(), dist.get_world_size()
     n, m = 12, 7
     param = nn.Parameter(torch.zeros(n, m, dtype=torch.float64))
     state = PowerSGDState(10, start_step=0)  # above min(n, m): clamped to 7, exact
-    got = fn(state, param, _matrices(rank, (n, m), 0))
+    got = _one(fn(state, [param], [_matrices(rank, (n, m), 0)]))
     exact = sum(_matrices(r, (n, m), 0) for r in range(world)) / world
     assert isinstance(got, torch.Tensor) and got.shape == (n, m), (
         f"returned {type(got).__name__} of shape {tuple(getattr(got, 'shape', ()))}: return "
@@ -208,7 +217,7 @@ def check_low_rank_average(fn: Callable[[PowerSGDState, torch.Tensor, torch.Tens
         ms = [g + e for g, e in zip(grads, errors)]
         want, q = _reference(ms, q)
         errors = [mat - want for mat in ms]
-        got = fn(state, param, grads[rank].clone())
+        got = _one(fn(state, [param], [grads[rank].clone()]))
         if max_relative_difference([got], [want]) > 1e-10:
             assert step > 0, f"matrix rank 2: {_low_rank_hint(want, got, world)}"
             raise AssertionError(
@@ -224,10 +233,20 @@ def check_low_rank_average(fn: Callable[[PowerSGDState, torch.Tensor, torch.Tens
         f"bytes_sent is {state.bytes_sent} after 3 calls at matrix rank 2, want {3 * 8 * 2 * (n + m)}:"
         " p.nbytes + q.nbytes per call, r(n + m) numbers")
     off = PowerSGDState(2, start_step=0, error_feedback=False)
-    fn(off, param, _matrices(rank, (n, m), 0))
+    fn(off, [param], [_matrices(rank, (n, m), 0)])
     assert param not in off.errors, "with error_feedback=False keep no error"
-    return (f"low_rank_average is right: on {world} ranks exact at full rank, one warm-started "
-            "power iteration with error feedback at matrix rank 2, r(n + m) numbers sent")
+    shapes = [(5, 9), (8, 3)]
+    pair = [nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in shapes]
+    got = _one(fn(PowerSGDState(10, start_step=0), pair,
+                  [_matrices(rank, shape, 7) for shape in shapes]), 2)
+    for shape, approx in zip(shapes, got):
+        exact = sum(_matrices(r, shape, 7) for r in range(world)) / world
+        assert max_relative_difference([approx], [exact]) <= 1e-12, (
+            f"two matrices at once: the {shape[0]} x {shape[1]} one is not its exact average at "
+            "full rank: each P and Q belongs to its own matrix (summed keeps them apart)")
+    return (f"low_rank_averages is right: on {world} ranks exact at full rank, also two "
+            "matrices at once, one warm-started power iteration with error feedback at matrix "
+            "rank 2, r(n + m) numbers sent")
 
 
 def powersgd_exact_and_bytes(matrix_rank: int = 2, steps: int = 3) -> dict[str, Any]:
