@@ -50,17 +50,12 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: off by {gap:.1e} of the largest element")
 
 
-def k_devices(k: int = 2) -> list[torch.device]:
-    """k real GPUs if there are, else k simulated devices (announced)."""
-    return devices(k)
-
-
 def names(devs: list[torch.device]) -> str:
     return ", ".join(map(str, devs))
 
 
 def check_tensors() -> str:
-    devs = k_devices()
+    devs = devices(2)
     x = torch.arange(6.0).reshape(2, 3)
     for d in devs:
         if not torch.equal(x.to(d).cpu(), x):
@@ -69,7 +64,7 @@ def check_tensors() -> str:
 
 
 def check_collectives() -> str:
-    devs = k_devices(3)
+    devs = devices(3)
     parts = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     want = sum(parts)
     for name, reduce in (("allreduce", allreduce), ("ring_allreduce", ring_allreduce)):
@@ -84,7 +79,7 @@ def check_collectives() -> str:
 
 
 def check_train_batch() -> str:
-    devs = k_devices()
+    devs = devices(2)
     X, y = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))
     params = init_lenet_params(0, scale=0.1)
     one = get_params(params, devs[0])
@@ -102,7 +97,7 @@ def check_train_batch() -> str:
 
 
 def check_data_parallel() -> str:
-    devs = k_devices()
+    devs = devices(2)
     X, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
     results = {}
     for name, wrap in (("one device", lambda m: m), ("ScratchDataParallel",

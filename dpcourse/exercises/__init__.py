@@ -5,9 +5,11 @@ their worked solutions (solutions/) call the same functions.
 """
 from contextlib import contextmanager
 from numbers import Integral, Real
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def answered(answer: object) -> bool:
@@ -41,3 +43,14 @@ def forbidden(names: Iterable[str], message: str) -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+def one_line_failure(what: str, fn: Callable[[], T]) -> T:
+    """fn(), a failure other than NotImplementedError or AssertionError told as one line."""
+    try:
+        return fn()
+    except (NotImplementedError, AssertionError):
+        raise
+    except Exception as error:
+        raise AssertionError(f"{what} failed: {type(error).__name__}: "
+                             f"{str(error).splitlines()[0][:200]}") from None

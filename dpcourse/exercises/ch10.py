@@ -12,7 +12,7 @@ from torch import nn
 from ..data_parallel import max_relative_difference
 from ..fsdp import flat_shard, padded_numel
 from ..lenet import lenet_layers
-from . import answered, is_number
+from . import answered, is_number, one_line_failure
 
 # --- the flat parameters (step 2), checked in the notebook's own process --------------------
 
@@ -105,17 +105,6 @@ def _flat_grad(layer: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in layer.parameters()])
 
 
-def _run(what: str, fn: Callable[[], object]) -> object:
-    """fn(), a failure other than NotImplementedError or AssertionError told as one line."""
-    try:
-        return fn()
-    except (NotImplementedError, AssertionError):
-        raise
-    except Exception as error:
-        raise AssertionError(f"{what} failed: {type(error).__name__}: "
-                             f"{str(error).splitlines()[0][:200]}") from None
-
-
 def check_start_gather(cls: type) -> str:
     """On each rank: forward through your _start_gather gives one process's output (float64,
     1e-12; with and without prefetch, both collective kinds), counts the gathered bytes, casts
@@ -125,7 +114,7 @@ def check_start_gather(cls: type) -> str:
     want = lenet_layers(0).double()(X).detach()
     for prefetch, ring in ((True, False), (False, False), (True, True)):
         model = cls(lenet_layers(rank).double(), prefetch=prefetch, ring=ring)
-        out = _run("forward", lambda: model(X))
+        out = one_line_failure("forward", lambda: model(X))
         assert max_relative_difference([out], [want]) <= 1e-12, (
             f"forward (prefetch={prefetch}, ring={ring}) differs from one process's: all-gather "
             "every rank's shard into full (shard.numel() * world numbers), rank r's at r")
@@ -136,7 +125,7 @@ def check_start_gather(cls: type) -> str:
         assert all(u.full is None and u.arriving is None for u in model.units), (
             "a unit is still gathered after forward: record (future, full) in unit.arriving")
     model = cls(lenet_layers(rank), compute_dtype=torch.bfloat16)
-    _run("forward with compute_dtype=bfloat16", lambda: model(X.float()))
+    one_line_failure("forward with compute_dtype=bfloat16", lambda: model(X.float()))
     numbers = sum(padded_numel(u.numel, world) for u in model.units)
     assert model.bytes_gathered == 2 * numbers, (
         f"with compute_dtype=bfloat16 {model.bytes_gathered} bytes were gathered, want "
@@ -157,7 +146,7 @@ def check_finish(cls: type) -> str:
         model = cls(lenet_layers(rank).double(), prefetch=prefetch, ring=ring)
         inputs, labels = _mine(0)
         for passes in (1, 2):
-            _run("backward", lambda: F.cross_entropy(model(inputs), labels).backward())
+            one_line_failure("backward", lambda: F.cross_entropy(model(inputs), labels).backward())
             assert not model._reducing and not model._callback_queued, (
                 "after backward self._reducing is not empty or self._callback_queued is still "
                 "True: reset both, so that the next backward starts afresh")

@@ -20,21 +20,10 @@ from ..data_parallel import max_relative_difference
 from ..ddp import GradBucket, ScratchDDP
 from ..lenet import lenet_model
 from ..local_sgd import DiLoCo
-from . import answered, is_int
+from . import answered, is_int, one_line_failure
 
 BF16_BITS = 8  # significant bits of bfloat16 (7 stored, 1 implicit)
 BF16_TOLERANCE = 2.0 ** (1 - BF16_BITS)  # two roundings of at most 2^-8 each, relative
-
-
-def _run(what: str, fn: Callable[[], Any]) -> Any:
-    """fn(), a failure other than NotImplementedError or AssertionError told as one line."""
-    try:
-        return fn()
-    except (NotImplementedError, AssertionError):
-        raise
-    except Exception as error:
-        raise AssertionError(f"{what} failed: {type(error).__name__}: "
-                             f"{str(error).splitlines()[0][:200]}") from None
 
 
 @contextmanager
@@ -379,7 +368,7 @@ def check_sync(cls: type) -> str:
                 for _ in range(world)]
     dist.all_gather(everyone, torch.cat([p.detach().reshape(-1) for p in params]))
     assert all(torch.equal(e, everyone[0]) for e in everyone), "the ranks differ after sync"
-    gap = _run("DiLoCo with sync_every=1", lambda: diloco_against_ddp(cls))
+    gap = one_line_failure("DiLoCo with sync_every=1", lambda: diloco_against_ddp(cls))
     assert gap <= 1e-12, (
         f"with sync_every=1, inner SGD, outer lr 1 and no momentum, 3 steps differ from DDP's "
         f"by {gap:.1e}: the outer step must apply exactly the averaged pseudo-gradient")

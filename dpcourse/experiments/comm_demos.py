@@ -136,6 +136,19 @@ def train_round(model: nn.Module, opt: Any, batches: Iterator, steps: int, curve
     payload["bytes"] += counted["bytes"]
 
 
+def alternated_rounds(runs: dict[str, tuple[nn.Module, Any]], batches: list, round_steps: int,
+                      steps: int) -> tuple[dict[str, list[float]], dict, dict]:
+    """Each (model, optimizer) of runs trains steps steps on the same batches, the runs
+    alternated in rounds of round_steps (timing.alternate): each one's seconds per round,
+    loss curve and all_reduce payload ({"calls", "bytes"})."""
+    feeds = {name: iter(batches) for name in runs}
+    curves: dict[str, list[float]] = {name: [] for name in runs}
+    payload = {name: {"calls": 0, "bytes": 0} for name in runs}
+    cases = {n: (lambda n=n: train_round(*runs[n], feeds[n], round_steps, curves[n], payload[n]))
+             for n in runs}
+    return alternate(cases, steps // round_steps, warmup=0), curves, payload
+
+
 def one_task_on_rank(methods: list[str], steps: int, batch_size: int, train_size: int,
                      test_size: int, source: str) -> dict[str, dict[str, Any]]:
     """Every method trains LeNet for steps steps on the same batches, the methods alternated
@@ -147,12 +160,7 @@ def one_task_on_rank(methods: list[str], steps: int, batch_size: int, train_size
     if steps % round_steps:
         raise ValueError(f"steps ({steps}) must be a multiple of the largest H ({round_steps})")
     runs = {m: built(m) for m in methods}
-    feeds = {m: iter(batches) for m in methods}
-    curves: dict[str, list[float]] = {m: [] for m in methods}
-    payload = {m: {"calls": 0, "bytes": 0} for m in methods}
-    cases = {m: (lambda m=m: train_round(*runs[m], feeds[m], round_steps, curves[m], payload[m]))
-             for m in methods}
-    seconds = alternate(cases, steps // round_steps, warmup=0)
+    seconds, curves, payload = alternated_rounds(runs, batches, round_steps, steps)
     out = {}
     for m in methods:
         model, opt = runs[m]
@@ -292,12 +300,7 @@ def compare_powersgd_on_rank(matrix_rank: int, steps: int, round_steps: int, bat
         ddp = DistributedDataParallel(lenet_model(0))
         ddp.register_comm_hook(state, hook)
         runs[way] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=INNER_LR))
-    feeds = {way: iter(batches) for way in hooks}
-    curves: dict[str, list[float]] = {way: [] for way in hooks}
-    payload = {way: {"calls": 0, "bytes": 0} for way in hooks}
-    cases = {w: (lambda w=w: train_round(*runs[w], feeds[w], round_steps, curves[w], payload[w]))
-             for w in hooks}
-    seconds = alternate(cases, steps // round_steps, warmup=0)
+    seconds, curves, payload = alternated_rounds(runs, batches, round_steps, steps)
     return {w: {**{f"final_{k}": v for k, v in evaluate(runs[w][0].module, *test).items()},
                 "loss_curve": curves[w], "bytes_sent_per_rank": payload[w]["bytes"],
                 "allreduces": payload[w]["calls"], "steps": steps,
