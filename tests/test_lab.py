@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -108,9 +109,18 @@ def get_json(lab: dict, path: str) -> dict:
 
 def wait_for_idle_kernel(lab: dict, timeout_s: float = 60) -> None:
     """Wait until the kernel the opened notebook started is idle (so it also stops cleanly)."""
-    deadline = time.monotonic() + timeout_s
+    deadline, states = time.monotonic() + timeout_s, []
     while time.monotonic() < deadline:
-        states = [k["execution_state"] for k in get_json(lab, "/api/kernels")]
+        try:
+            states = [k["execution_state"] for k in get_json(lab, "/api/kernels")]
+        except urllib.error.HTTPError as error:
+            # jupyter_server lists a starting kernel a moment before it sets the kernel's
+            # last_activity, and answers 500 meanwhile (the race of
+            # jupyter-server/enterprise_gateway#1395, reproduced with jupyter_server 2.21):
+            # a transient answer while the kernel starts, so ask again.
+            if error.code != 500:
+                raise
+            states = [f"HTTP 500 at {time.strftime('%X')}"]
         if states and all(state == "idle" for state in states):
             return
         time.sleep(0.5)
