@@ -3,7 +3,7 @@ its last checkpoint, next to the same command uninterrupted.
 
 ``killed_run`` starts ``python -m dpcourse.train_ddp`` under ``torchrun --max-restarts``,
 kills one worker with SIGKILL as soon as the first checkpoint exists, and returns the exit
-code and output; ``restart_demo`` runs the same command uninterrupted as well and compares.
+code and output; ``restart_demo`` runs the same command uninterrupted beside it and compares.
 Linux only (it finds the workers through /proc).
 """
 from __future__ import annotations
@@ -72,16 +72,23 @@ def killed_run(path: Path, *flags: str, timeout: float = 240.0) -> dict[str, Any
 
 def restart_demo(folder: Path, *flags: str) -> dict[str, Any]:
     """The same train_ddp command (DEMO_FLAGS and flags) uninterrupted and with a worker
-    killed: the killed run's exit code, its output lines that tell the story, the steps it
-    resumed from, and whether the final parameters are bitwise the uninterrupted run's."""
+    killed, both at once: the killed run's exit code, its output lines that tell the story,
+    the steps it resumed from, and whether the final parameters are bitwise the uninterrupted
+    run's."""
     folder.mkdir(parents=True, exist_ok=True)
     whole = folder / "uninterrupted.pt"
     whole.unlink(missing_ok=True)
-    done = subprocess.run(torchrun_command(whole, *DEMO_FLAGS, *flags), capture_output=True,
-                          text=True, timeout=240, env=environment())
-    if done.returncode != 0:
-        raise RuntimeError(f"the uninterrupted run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    killed = killed_run(folder / "restarted.pt", *DEMO_FLAGS, *flags)
+    uninterrupted = subprocess.Popen(torchrun_command(whole, *DEMO_FLAGS, *flags),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=environment())
+    try:
+        killed = killed_run(folder / "restarted.pt", *DEMO_FLAGS, *flags)
+        output, _ = uninterrupted.communicate(timeout=240)
+    finally:
+        uninterrupted.kill()  # (nothing left to kill when it ended)
+        uninterrupted.wait()
+    if uninterrupted.returncode != 0:
+        raise RuntimeError(f"the uninterrupted run failed:\n{output[-4000:]}")
     story = [line.split("] ")[-1].split(" of binary")[0] for line in killed["output"].splitlines()
              if "exitcode: -9" in line or "Loaded" in line or line.startswith("Done")]
     cpu = torch.device("cpu")
