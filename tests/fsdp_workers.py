@@ -1,5 +1,5 @@
 """What the ScratchFSDP tests launch on every rank; ranks import it from tests/ (pytest's
-sys.path, via spawn)."""
+sys.path, which a rank inherits)."""
 from __future__ import annotations
 
 from typing import Any, Callable

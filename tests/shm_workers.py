@@ -1,5 +1,5 @@
 """What test_shm_steps.py launches on every rank; ranks import it from tests/ (pytest's sys.path,
-via spawn)."""
+which a rank inherits)."""
 from __future__ import annotations
 
 from contextlib import nullcontext

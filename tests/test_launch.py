@@ -1,5 +1,6 @@
 """launch: values in rank order, clear errors for failing and hanging ranks, no process left."""
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -22,15 +23,19 @@ except ImportError:  # psutil is a test extra; multiprocessing's own view still 
 
 
 def children_left() -> list[str]:
-    """This process's child processes, except multiprocessing's resource tracker."""
+    """This process's child processes, except multiprocessing's resource tracker and the
+    forkserver that launch starts once (both end with this process; the ranks it forks, which
+    share its command line, still count)."""
     names = [repr(p) for p in mp.active_children()]
+    server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
     if psutil is not None:
         for child in psutil.Process().children(recursive=True):
             try:
                 cmd = " ".join(child.cmdline())
             except psutil.Error:
                 continue
-            if "resource_tracker" not in cmd and child.status() != psutil.STATUS_ZOMBIE:
+            helper = child.pid == server or "resource_tracker" in cmd
+            if not helper and child.status() != psutil.STATUS_ZOMBIE:
                 names.append(cmd)
     return names
 

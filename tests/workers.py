@@ -1,5 +1,5 @@
-"""Functions the tests launch on every rank; ranks import them from tests/ (pytest's sys.path, via
-spawn)."""
+"""Functions the tests launch on every rank; ranks import them from tests/ (pytest's
+sys.path, which a rank inherits)."""
 from __future__ import annotations
 
 import atexit

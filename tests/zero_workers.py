@@ -1,5 +1,5 @@
-"""What the ZeRO tests launch on every rank; ranks import it from tests/ (pytest's sys.path, via
-spawn)."""
+"""What the ZeRO tests launch on every rank; ranks import it from tests/ (pytest's
+sys.path, which a rank inherits)."""
 from __future__ import annotations
 
 import copy

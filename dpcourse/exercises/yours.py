@@ -1,5 +1,5 @@
 """Your code on the ranks: a cell writes it to a file under yours/ (`%%writefile`), and the
-chapter's check runs it there, because a spawned rank can import a file but not a notebook.
+chapter's check runs it there, because a rank can import a file but not a notebook.
 
 ``on_ranks(check, "yours/ring.py", "ring_allreduce")`` runs ``check(your_function)`` on every
 rank; a ``NotImplementedError`` or a failed check on a rank reaches the notebook as itself.

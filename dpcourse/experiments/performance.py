@@ -2,7 +2,7 @@
 
 As in ``throughput`` (chapter 07), each driver runs in the parent and starts the ranks with
 ``launch``; the ``*_on_rank`` functions are what every rank runs (top-level, so that a
-spawned process can import them). The variants compared in one launch are timed in
+new process can import them). The variants compared in one launch are timed in
 alternation, a barrier before each, and each figure is the median over the rounds of the
 slowest rank's time (the allreduce sweep keeps every call: see per_size). Every rank runs
 one intra-op thread (``launch``'s default).

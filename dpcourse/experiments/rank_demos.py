@@ -1,6 +1,6 @@
 """Chapter 07's experiments: the functions its notebook runs on every rank with ``launch``.
 
-A spawned rank imports the function it runs, so they live here and not in the notebook.
+A rank imports the function it runs, so they live here and not in the notebook.
 """
 from __future__ import annotations
 

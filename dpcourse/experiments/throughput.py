@@ -2,7 +2,7 @@
 
 Each ``compare_*`` driver runs in the parent (a notebook cell, the benchmark) and starts the
 ranks with ``launch``; the ``*_on_rank`` functions are what every rank runs (top-level, so
-that a spawned process can import them). Inside one launch the variants being compared are
+that a new process can import them). Inside one launch the variants being compared are
 timed with ``timing.alternate``; each figure is a median over the rounds.
 
 The CPU comparisons use gloo on every host; ``gpu_scaling`` compares 1 GPU with k (nccl).

@@ -1,5 +1,5 @@
 """Chapter 09's experiments: the activations it measures and the functions its notebook runs
-on every rank with ``launch`` (a spawned rank imports them, so they live in a module)."""
+on every rank with ``launch`` (a rank imports them, so they live in a module)."""
 from __future__ import annotations
 
 from typing import Any
