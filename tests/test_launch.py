@@ -95,6 +95,18 @@ def test_a_raising_rank_is_named_with_its_traceback():
     assert launch(workers.whoami, "again", world_size=1, threads=2)[0]["threads"] == 2
 
 
+def test_ranks_see_the_environment_and_folder_of_the_launch_not_of_the_forkserver(
+        tmp_path, monkeypatch):
+    launch(workers.whoami, "start the forkserver", world_size=1)  # before the changes below
+    monkeypatch.setenv("DPCOURSE_SET_AFTER_THE_SERVER", "seen")
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.chdir(tmp_path)
+    seen = launch(workers.surroundings, "DPCOURSE_SET_AFTER_THE_SERVER", backend="gloo",
+                  threads=None)
+    assert seen == [{"value": "seen", "omp": "7", "cwd": str(tmp_path)}] * 2
+    assert launch(workers.surroundings, "OMP_NUM_THREADS", world_size=1)[0]["omp"] == "1"
+
+
 def test_ranks_end_without_python_shutdown_where_gloo_threads_could_abort_them(tmp_path):
     # torch keeps a destroyed gloo group's threads alive until shutdown once an optimizer
     # exists; shutting down with them can abort a rank (SIGABRT) after its result is saved

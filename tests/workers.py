@@ -37,6 +37,13 @@ def whoami(tag: str) -> dict:
             "tensor": torch.full((2,), float(rank), requires_grad=True) * 2}
 
 
+def surroundings(name: str) -> dict:
+    """What this rank sees of the launcher's state: environment variable name, OMP_NUM_THREADS,
+    the working directory."""
+    return {"value": os.environ.get(name), "omp": os.environ.get("OMP_NUM_THREADS"),
+            "cwd": os.getcwd()}
+
+
 def optimizer_and_atexit(path: str) -> int:
     """Build an optimizer (after which torch keeps the gloo group's threads alive until
     shutdown) and ask Python's shutdown to create the file path + rank."""
