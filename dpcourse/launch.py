@@ -6,7 +6,7 @@ choose), runs ``fn(*args)`` there and returns the values in rank order. What the
 replayed afterwards, rank by rank. A rank that raises, or ranks that are still running at the
 deadline, end in a clear error; every child is stopped and joined in every case, Ctrl-C
 included. The ranks are forked by a forkserver that imported torch once (so a launch after the
-first starts in milliseconds, not seconds), or spawned where there is none (Windows).
+first starts in milliseconds, not seconds) on Linux, and spawned elsewhere.
 
 ``fn`` must live in an importable module: a new process shares no memory with the notebook;
 it finds ``fn`` by importing its module, and a notebook's ``__main__`` cannot be imported.
@@ -137,9 +137,10 @@ def check_picklable(fn: Callable[..., Any]) -> None:
 
 
 def start_context() -> mp.context.BaseContext:
-    """The forkserver context, its server started with this process's environment and torch
-    imported; the spawn context where the platform has no forkserver (Windows)."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """On Linux the forkserver context, its server started with this process's environment and
+    torch imported; elsewhere spawn, as Python 3.14 chooses (on macOS, system libraries may
+    start threads that make fork unsafe, Python's documentation says; Windows has no fork)."""
+    if not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])  # preload only: never stale code

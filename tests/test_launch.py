@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import workers
-from dpcourse.launch import LaunchTimeoutError, RankError, choose_backend, launch
+from dpcourse.launch import (LaunchTimeoutError, RankError, choose_backend, launch,
+                             start_context)
 
 try:
     import psutil
@@ -105,6 +106,16 @@ def test_ranks_see_the_environment_and_folder_of_the_launch_not_of_the_forkserve
                   threads=None)
     assert seen == [{"value": "seen", "omp": "7", "cwd": str(tmp_path)}] * 2
     assert launch(workers.surroundings, "OMP_NUM_THREADS", world_size=1)[0]["omp"] == "1"
+
+
+def test_ranks_are_forked_from_the_forkserver_on_linux_and_spawned_elsewhere(monkeypatch):
+    assert start_context().get_start_method() == "forkserver"
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert start_context().get_start_method() == "spawn"
+    monkeypatch.setenv("DPCOURSE_SET_FOR_SPAWN", "seen")
+    seen = launch(workers.surroundings, "DPCOURSE_SET_FOR_SPAWN", backend="gloo")
+    assert [s["value"] for s in seen] == ["seen", "seen"]
+    assert children_left() == []
 
 
 def test_ranks_end_without_python_shutdown_where_gloo_threads_could_abort_them(tmp_path):
