@@ -74,6 +74,7 @@ class _Rank:
     timeout: float
     threads: int | None
     environ: dict[str, str]  # the launcher's, at launch: a forked rank would get the server's
+    launcher: tuple[int, str | None]  # the launching process: pid, start time (Linux)
 
 
 def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str | None = None,
@@ -99,7 +100,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
         with _child_environment(threads):
             for rank in range(world_size):
                 spec = _Rank(rank, world_size, backend, workdir, timeout, threads,
-                             dict(os.environ))
+                             dict(os.environ), (os.getpid(), _start_time(os.getpid())))
                 proc = ctx.Process(target=_run_rank, args=(fn, args, spec),  # not daemonic:
                                    name=f"dpcourse-rank-{rank}")  # a rank may start workers
                 procs.append(proc)  # before start: an interrupted start is still cleaned up
@@ -196,7 +197,7 @@ def _run_rank(fn: Callable[..., Any], args: tuple, spec: _Rank) -> None:
     os.environ.update(spec.environ)
     work = Path(spec.workdir)
     _redirect_output(work, spec.rank)
-    _exit_with_parent()
+    _exit_with_launcher(*spec.launcher)
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     os.environ.update(RANK=str(spec.rank), LOCAL_RANK=str(spec.rank),
@@ -245,15 +246,28 @@ def exit_without_shutdown(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _exit_with_parent() -> None:
-    """End this process if its parent dies (a killed kernel leaves no rank behind)."""
-    parent = os.getppid()
+def _exit_with_launcher(pid: int, start: str | None) -> None:
+    """End this process when the process that launched it ends (a killed kernel leaves no rank
+    behind). A spawned rank's parent is the launcher. A forked one's is the forkserver, which
+    lives on while its ranks do, so the rank watches the launcher's pid and start time."""
+    def alive() -> bool:
+        return os.getppid() == pid if start is None else _start_time(pid) == start
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while alive():
             time.sleep(1.0)
         os._exit(1)
-    threading.Thread(target=watch, name="dpcourse-watch-parent", daemon=True).start()
+    threading.Thread(target=watch, name="dpcourse-watch-launcher", daemon=True).start()
+
+
+def _start_time(pid: int) -> str | None:
+    """When process pid started (Linux's /proc), so that a reused pid does not pass for it;
+    None where there is no /proc, for a process that ended, and for a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
 
 
 def _redirect_output(work: Path, rank: int) -> None:

@@ -3,6 +3,7 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -136,6 +137,27 @@ def test_a_ranks_own_child_processes_end_with_it():
     [pid] = launch(workers.start_a_sleeper, world_size=1, backend="gloo")
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+@pytest.mark.skipif(psutil is None, reason="needs psutil to follow the processes")
+def test_a_killed_launcher_leaves_no_rank_or_helper_behind(tmp_path):
+    # forked ranks keep the forkserver alive: they must watch the launcher itself
+    script = ("import sys, workers; from dpcourse.launch import launch; "
+              f"launch(workers.note_pid_and_sleep, {str(tmp_path)!r}, backend='gloo', "
+              "timeout=300)")
+    launcher = subprocess.Popen([sys.executable, "-c", script], cwd=Path(workers.__file__).parent)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        family = psutil.Process(launcher.pid).children(recursive=True)
+        ranks = {int(f.read_text()) for f in tmp_path.glob("rank*.pid")}
+        assert len(ranks) == 2 and ranks <= {p.pid for p in family}
+    finally:
+        launcher.kill()
+        launcher.wait()
+    _, alive = psutil.wait_procs(family, timeout=10)
+    assert alive == [], f"still running 10 s after the launcher was killed: {alive}"
 
 
 def test_a_hanging_rank_ends_in_a_timeout_error_naming_the_running_ranks():

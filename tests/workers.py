@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -64,6 +65,12 @@ def start_a_sleeper() -> int:
     child = mp.get_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)
     child.start()
     return child.pid
+
+
+def note_pid_and_sleep(folder: str) -> None:
+    """Write this rank's pid to a file in folder, then sleep for two minutes."""
+    (Path(folder) / f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    time.sleep(120)
 
 
 def fail_on(bad_rank: int) -> int:
