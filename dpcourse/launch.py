@@ -31,6 +31,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
@@ -74,7 +75,6 @@ class _Rank:
     timeout: float
     threads: int | None
     environ: dict[str, str]  # the launcher's, at launch: a forked rank would get the server's
-    launcher: tuple[int, str | None]  # the launching process: pid, start time (Linux)
 
 
 def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str | None = None,
@@ -100,8 +100,9 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
         with _child_environment(threads):
             for rank in range(world_size):
                 spec = _Rank(rank, world_size, backend, workdir, timeout, threads,
-                             dict(os.environ), (os.getpid(), _start_time(os.getpid())))
-                proc = ctx.Process(target=_run_rank, args=(fn, args, spec),  # not daemonic:
+                             dict(os.environ))
+                task = bytes(ForkingPickler.dumps((fn, args)))  # opened on the rank, in its env.
+                proc = ctx.Process(target=_run_rank, args=(task, spec),  # not daemonic:
                                    name=f"dpcourse-rank-{rank}")  # a rank may start workers
                 procs.append(proc)  # before start: an interrupted start is still cleaned up
                 proc.start()
@@ -175,7 +176,8 @@ def rank_device() -> torch.device:
 
 @contextmanager
 def _child_environment(threads: int | None) -> Iterator[None]:
-    """Set OMP_NUM_THREADS while children start, so they read it before any torch work."""
+    """Set OMP_NUM_THREADS while children start: spawned, they read it before any torch work;
+    forked, they apply it (launch passes them this environment)."""
     with _ENV_LOCK:
         old = os.environ.get("OMP_NUM_THREADS")
         if threads is not None:
@@ -191,21 +193,23 @@ def _child_environment(threads: int | None) -> Iterator[None]:
 
 # --- in the child ---------------------------------------------------------------------------
 
-def _run_rank(fn: Callable[..., Any], args: tuple, spec: _Rank) -> None:
+def _run_rank(task: bytes, spec: _Rank) -> None:
     """Body of one child: join the group, run fn, save its value or its error."""
     os.environ.clear()
     os.environ.update(spec.environ)
     work = Path(spec.workdir)
     _redirect_output(work, spec.rank)
-    _exit_with_launcher(*spec.launcher)
-    if spec.threads is not None:
-        torch.set_num_threads(spec.threads)
+    _exit_with_launcher()
+    threads = spec.threads or _whole_number(spec.environ.get("OMP_NUM_THREADS"))
+    if threads:  # a forked rank's OpenMP read OMP_NUM_THREADS when the forkserver started
+        torch.set_num_threads(threads)
     os.environ.update(RANK=str(spec.rank), LOCAL_RANK=str(spec.rank),
                       WORLD_SIZE=str(spec.world_size))
     if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: talk over loopback
     failed = False
     try:
+        fn, args = pickle.loads(task)  # imports fn's module: an error there is the rank's
         if spec.backend == "nccl":
             torch.cuda.set_device(spec.rank)
         dist.init_process_group(spec.backend, init_method=(work / "store").as_uri(),
@@ -246,28 +250,21 @@ def exit_without_shutdown(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _exit_with_launcher(pid: int, start: str | None) -> None:
+def _exit_with_launcher() -> None:
     """End this process when the process that launched it ends (a killed kernel leaves no rank
-    behind). A spawned rank's parent is the launcher. A forked one's is the forkserver, which
-    lives on while its ranks do, so the rank watches the launcher's pid and start time."""
-    def alive() -> bool:
-        return os.getppid() == pid if start is None else _start_time(pid) == start
+    behind). That is multiprocessing's parent_process(), whatever the start method; a forked
+    rank's parent is the forkserver, which lives on while its ranks run."""
+    launcher = mp.parent_process()
 
     def watch() -> None:
-        while alive():
-            time.sleep(1.0)
+        launcher.join()
         os._exit(1)
     threading.Thread(target=watch, name="dpcourse-watch-launcher", daemon=True).start()
 
 
-def _start_time(pid: int) -> str | None:
-    """When process pid started (Linux's /proc), so that a reused pid does not pass for it;
-    None where there is no /proc, for a process that ended, and for a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
+def _whole_number(text: str | None) -> int | None:
+    """text as a whole number >= 1, else None."""
+    return int(text) if text and text.isdigit() and int(text) > 0 else None
 
 
 def _redirect_output(work: Path, rank: int) -> None:

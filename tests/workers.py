@@ -39,10 +39,10 @@ def whoami(tag: str) -> dict:
 
 
 def surroundings(name: str) -> dict:
-    """What this rank sees of the launcher's state: environment variable name, OMP_NUM_THREADS,
-    the working directory."""
+    """What this rank sees of the launcher's state: environment variable name, OMP_NUM_THREADS
+    and torch's threads, the working directory; and its parent process."""
     return {"value": os.environ.get(name), "omp": os.environ.get("OMP_NUM_THREADS"),
-            "cwd": os.getcwd()}
+            "threads": torch.get_num_threads(), "cwd": os.getcwd(), "parent": os.getppid()}
 
 
 def optimizer_and_atexit(path: str) -> int:
