@@ -73,7 +73,6 @@ class _Rank:
     backend: str
     workdir: str
     timeout: float
-    threads: int | None
     environ: dict[str, str]  # the launcher's, at launch: a forked rank would get the server's
 
 
@@ -99,8 +98,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
         ctx = start_context()
         with _child_environment(threads):
             for rank in range(world_size):
-                spec = _Rank(rank, world_size, backend, workdir, timeout, threads,
-                             dict(os.environ))
+                spec = _Rank(rank, world_size, backend, workdir, timeout, dict(os.environ))
                 task = bytes(ForkingPickler.dumps((fn, args)))  # opened on the rank, in its env.
                 proc = ctx.Process(target=_run_rank, args=(task, spec),  # not daemonic:
                                    name=f"dpcourse-rank-{rank}")  # a rank may start workers
@@ -200,7 +198,7 @@ def _run_rank(task: bytes, spec: _Rank) -> None:
     work = Path(spec.workdir)
     _redirect_output(work, spec.rank)
     _exit_with_launcher()
-    threads = spec.threads or _whole_number(spec.environ.get("OMP_NUM_THREADS"))
+    threads = _whole_number(spec.environ.get("OMP_NUM_THREADS"))  # launch's threads, if given
     if threads:  # a forked rank's OpenMP read OMP_NUM_THREADS when the forkserver started
         torch.set_num_threads(threads)
     os.environ.update(RANK=str(spec.rank), LOCAL_RANK=str(spec.rank),
