@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Set up the course and run it: `python3 course.py lab | student | test | bench | execute | slides`.
+"""Set up the course and run it:
+`python3 course.py lab | student | test | bench | execute | slides | site`.
 
 Each command creates or reuses the virtual environment .venv next to this file (Python >= 3.10).
 Arguments after the command go to JupyterLab, pytest, the benchmark, the executor or the slides.
@@ -67,7 +68,7 @@ def setup() -> None:
         create_venv()
     try:
         run(PYTHON, "-m", "pip", "install", "--upgrade", "pip")
-        run(PYTHON, "-m", "pip", "install", "-e", ".[test,student]")
+        run(PYTHON, "-m", "pip", "install", "-e", ".[test,student,site]")
         run(PYTHON, "-m", "pip", "install", "--no-deps", D2L)
     except subprocess.CalledProcessError:
         sys.exit("Installing the course's packages with pip failed (its message is above): "
@@ -140,6 +141,7 @@ def main() -> None:
         "check": lambda: ["-m", "dpcourse.selfcheck", *args],
         "execute": lambda: [ROOT / "tools" / "execute_notebooks.py", *args],
         "slides": lambda: slides_args(args),
+        "site": lambda: [ROOT / "docs" / "site" / "build.py", *args],
     }
     if name not in commands:
         sys.exit(f"usage: python3 course.py {{{'|'.join(commands)}}} [args]")
