@@ -127,9 +127,11 @@ class ScratchDDP(nn.Module):
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; the next backward synchronises unless inside no_sync()."""
-        self._syncing = (self.require_backward_grad_sync and self.world > 1
-                         and torch.is_grad_enabled())  # as torch: no sync for evaluation
+        """Run the module; the next backward synchronises unless inside no_sync(). A forward
+        without gradients (an evaluation) leaves the pending backward's state alone."""
+        if not torch.is_grad_enabled():  # as torch: no backward follows, nothing to prepare
+            return self.module(*args, **kwargs)
+        self._syncing = self.require_backward_grad_sync and self.world > 1
         if self.broadcast_buffers and self._syncing:
             with torch.no_grad():
                 for b in self.module.buffers():

@@ -2,7 +2,8 @@
 
 One launch of 2 ranks trains a TiedNet (a tied weight, a frozen layer, a buffer, a layer
 unused in one step), initialised differently on each rank, under every configuration;
-the single-process reference is trained here, from rank 0's initial weights.
+the single-process reference is trained here, from rank 0's initial weights. On 2 and 3 ranks,
+a forward that trains nothing between a forward and its backward changes nothing, as in torch's.
 """
 import pytest
 import torch
@@ -159,3 +160,24 @@ def test_a_comm_hook_returning_the_wrong_size_gives_a_clear_error(evaluation_and
     for rank in evaluation_and_broken_hook:
         assert rank["wrong size"] == ("ValueError: comm hook wrong_size_hook returned 21 "
                                       "elements for bucket 0, which holds 20")
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"{world} ranks")
+def evaluated(request) -> list[dict[str, dict]]:
+    """Per rank: training with a forward that trains nothing between forward and backward."""
+    return launch(workers.evaluations_between_forward_and_backward, list(workers.EVALUATIONS),
+                  world_size=request.param, backend="gloo", timeout=180)
+
+
+@pytest.mark.parametrize("name", workers.EVALUATIONS)
+def test_a_forward_between_forward_and_backward_changes_no_training_as_in_torch_ddp(
+        evaluated, name):
+    """A forward for logging (under no_grad, inference_mode, in eval mode, inside no_sync)
+    before backward: torch's DDP still averages; ScratchDDP must too (within 1e-12, float64)."""
+    for rank_runs in evaluated:
+        reference = rank_runs["torch, none"]
+        for ddp in ("torch", "scratch"):
+            state = rank_runs[f"{ddp}, {name}"]
+            for key, value in reference.items():
+                torch.testing.assert_close(state[key], value, rtol=0, atol=1e-12,
+                                           msg=f"{ddp}, {name}: {key}")

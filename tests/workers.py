@@ -8,9 +8,9 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -233,12 +233,14 @@ def tied_net(seed: int) -> TiedNet:
 
 
 def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int,
-                unused_on: tuple[int, ...] | None = None) -> dict:
+                unused_on: tuple[int, ...] | None = None,
+                between: Callable[[torch.Tensor], None] | None = None) -> dict:
     """STEPS steps of SGD on this rank's share of each global batch; the final state.
 
     With micro_batches=2 each step accumulates two micro-batches (all but the last under
     no_sync, when the model has it). In step SOMETIMES_STEP the ranks in unused_on (None:
-    every rank) leave TiedNet.sometimes unused."""
+    every rank) leave TiedNet.sometimes unused. between(x), if given, runs after each forward,
+    before its backward."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
         opt.zero_grad()
@@ -250,6 +252,8 @@ def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int,
             with (nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()):
                 skips = step == SOMETIMES_STEP and (unused_on is None or rank in unused_on)
                 out = model(x, use_sometimes=not skips)
+                if between:
+                    between(x)
                 nn.functional.mse_loss(out, y).backward()
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -317,6 +321,51 @@ def ddp_runs(configs: list[dict]) -> list[dict]:
                     "hook_calls": getattr(model, "hook_calls", None),
                     "timeline": model.timeline() if hasattr(model, "timeline") else []})
     return out
+
+
+@contextmanager
+def in_eval_mode(model: nn.Module) -> Iterator[None]:
+    """model.eval() inside, model.train() after."""
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
+
+
+# name -> the contexts of a forward that trains nothing, run between a forward and its backward
+EVALUATIONS = {"no_grad": lambda model: [torch.no_grad()],
+               "inference_mode": lambda model: [torch.inference_mode()],
+               "eval, no_grad": lambda model: [in_eval_mode(model), torch.no_grad()],
+               "eval, grad enabled": lambda model: [in_eval_mode(model)],
+               "no_sync, no_grad": lambda model: [model.no_sync(), torch.no_grad()]}
+
+
+def evaluations_between_forward_and_backward(names: list[str]) -> dict[str, dict]:
+    """TiedNet, initialised differently on every rank, trained by ScratchDDP and by torch's DDP
+    (STEPS steps of two micro-batches, the first under no_sync) with a forward in the context
+    EVALUATIONS[name] between every forward and its backward; the final states by name, and
+    torch's without any evaluation ("torch, none")."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrappers = {"scratch": lambda net: ScratchDDP(net, 0.0),
+                "torch": lambda net: nn.parallel.DistributedDataParallel(net)}
+    every_layer = ()  # no rank leaves TiedNet.sometimes unused
+    out = {"torch, none": train_steps(wrappers["torch"](tied_net(seed=rank)), rank, world, 2,
+                                      every_layer)}
+    for name in names:
+        for ddp, wrap in wrappers.items():
+            model = wrap(tied_net(seed=rank))
+            evaluate = lambda x, model=model: _evaluate(model, EVALUATIONS[name](model), x)
+            out[f"{ddp}, {name}"] = train_steps(model, rank, world, 2, every_layer, evaluate)
+    return out
+
+
+def _evaluate(model: nn.Module, contexts: list, x: torch.Tensor) -> None:
+    """A forward inside contexts whose output is only logged."""
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        model(x).sum().item()
 
 
 # --- SharedMemoryAllreduce against dist.all_reduce -----------------------------------------
@@ -426,3 +475,14 @@ def shm_crash(bad_rank: int) -> None:
     if dist.get_rank() == bad_rank:
         os.kill(os.getpid(), signal.SIGKILL)
     shm.allreduce(torch.ones(1000))
+
+
+def add_own_rank(tensors: list[torch.Tensor]) -> list[dict]:
+    """Add rank + 1 to each tensor in place; return each with the bytes of the storage it
+    arrived in and whether that storage is shared memory."""
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for t in tensors:
+            t.add_(rank + 1)
+    return [{"value": t, "storage_bytes": t.untyped_storage().nbytes(), "shared": t.is_shared()}
+            for t in tensors]
