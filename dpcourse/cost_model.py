@@ -107,18 +107,21 @@ def tree_allreduce_cost(link: AlphaBeta, p: int) -> AlphaBeta:
     return AlphaBeta(2 * rounds * link.alpha, 2 * rounds * link.beta)
 
 
-def double_tree_allreduce_cost(link: AlphaBeta, p: int) -> AlphaBeta:
-    """NCCL's double binary tree: 2 ceil(log2 p) * alpha + 2 n beta.
+def double_tree_allreduce_cost(link: AlphaBeta, p: int, ranks_per_node: int = 1) -> AlphaBeta:
+    """NCCL's double binary tree: 2 ((g-1) + ceil(log2 p/g)) * alpha + 2 n beta, g ranks a node.
 
-    Two binary trees, each rank a leaf in one and an inner node in the other, each reduce
-    then broadcast half the tensor in pipelined chunks: a rank sends (and receives) about 2n
-    bytes, whatever p, and pays the depth's latencies up and down (NCCL's tuning model).
+    Two binary trees across the nodes, each node a leaf in one and an inner node in the other,
+    each reducing then broadcasting half the tensor in pipelined chunks; inside a node the g
+    ranks form a chain (NCCL's tuning model). A rank sends (and receives) about 2n bytes.
     """
     check_ranks(p)
+    if not (isinstance(ranks_per_node, int) and ranks_per_node >= 1 and p % ranks_per_node == 0):
+        raise ValueError(f"ranks_per_node must be an integer >= 1 that divides p = {p}, "
+                         f"got {ranks_per_node!r}")
     if p == 1:
         return AlphaBeta(0.0, 0.0)
-    depth = (p - 1).bit_length()  # ceil(log2 p)
-    return AlphaBeta(2 * depth * link.alpha, 2 * link.beta)
+    hops = ranks_per_node - 1 + (p // ranks_per_node - 1).bit_length()  # chain, then ceil(log2)
+    return AlphaBeta(2 * hops * link.alpha, 2 * link.beta)
 
 
 ALLREDUCE_COSTS: dict[str, Callable[[AlphaBeta, int], AlphaBeta]] = {

@@ -105,6 +105,16 @@ def test_double_tree_is_logarithmic_latency_and_twice_the_bytes():
         assert cost.beta > cost_model.ring_allreduce_cost(link, p).beta
 
 
+def test_double_tree_latency_is_a_chain_inside_a_node_and_logarithmic_across_nodes():
+    """NCCL's tuning.cc: 2 ((nRanks/nNodes - 1) intraLat + log2(nNodes) interLat)."""
+    link = AlphaBeta(1.0, 1.0)
+    for p, per_node, hops in [(8, 8, 7), (8, 1, 3), (16, 8, 8), (64, 8, 10), (64, 1, 6)]:
+        cost = cost_model.double_tree_allreduce_cost(link, p, ranks_per_node=per_node)
+        assert (cost.alpha, cost.beta) == (2 * hops, 2.0)
+    with pytest.raises(ValueError, match="ranks_per_node must be an integer >= 1 that divides"):
+        cost_model.double_tree_allreduce_cost(link, 8, ranks_per_node=3)
+
+
 def test_one_rank_costs_nothing():
     for algorithm in ["naive", "ring", "tree", "double tree"]:
         assert cost_model.allreduce_cost(LINK, 1, algorithm).time(MiB) == 0.0
