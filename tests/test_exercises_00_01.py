@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dpcourse.exercises import ch00, ch01
+from dpcourse.hardware import accelerators
 from dpcourse.resnet import resnet18
 
 RESNET_PARAMETERS = sum(p.numel() for p in resnet18().parameters())
@@ -158,6 +159,40 @@ def test_device_choice_says_when_round_robin_is_missing() -> None:
         return [torch.device("cpu")]
     with pytest.raises(AssertionError, match="two CUDA GPUs|one MPS GPU"):
         ch00.check_device_choice(no_round_robin)
+
+
+def chapter_devices(n=None, *, simulate=False, check_type=True, one_is_the_cpu=True):
+    """The chapter's devices, rule by rule, with its type check or its n == 1 rule left out."""
+    real = [] if simulate else accelerators()  # the checker's pretend machine
+    if n is None:
+        return real or [torch.device("cpu")]
+    if (check_type and not isinstance(n, int)) or n < 1:
+        raise ValueError(f"devices(n) needs a whole number n >= 1, got {n!r}")
+    if len(real) >= n:
+        return real[:n]
+    if one_is_the_cpu and n == 1 and not simulate:
+        return [torch.device("cpu")]
+    print(f"simulating {n} devices")
+    if real:
+        return [real[i % len(real)] for i in range(n)]
+    return [torch.device("cpu", i) for i in range(n)]
+
+
+def test_device_choice_says_a_float_count_should_raise_value_error() -> None:
+    def no_type_check(n=None, *, simulate=False):
+        return chapter_devices(n, simulate=simulate, check_type=False)  # range(2.5) fails
+    with pytest.raises(AssertionError, match=r"devices\(2.5\) raised TypeError .*; it should "
+                                             "raise ValueError"):
+        ch00.check_device_choice(no_type_check)
+
+
+def test_device_choice_points_to_the_one_device_rule_when_it_is_missing() -> None:
+    def simulates_one(n=None, *, simulate=False):
+        return chapter_devices(n, simulate=simulate, one_is_the_cpu=False)
+    with pytest.raises(AssertionError, match=r"devices\(1\) gave \[device\(type='cpu', index=0\)\]"
+                                             r".*one device is no simulation: return "
+                                             r"\[torch.device\('cpu'\)\]"):
+        ch00.check_device_choice(simulates_one)
 
 
 def test_no_copy_accepts_the_no_op_conversions_and_views(capsys) -> None:

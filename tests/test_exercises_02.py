@@ -157,6 +157,20 @@ def test_sgd_check_accepts_the_package_and_rejects_an_update_out_of_place() -> N
         check_sgd(out_of_place)
 
 
+def test_sgd_check_says_a_rebinding_update_was_not_in_place() -> None:
+    import pytest
+    from dpcourse.exercises.ch02 import check_sgd
+
+    def rebinding(params, lr, batch_size):
+        with torch.no_grad():
+            for p in params:
+                p = p - lr * p.grad / batch_size  # a new tensor named p; params[i] unchanged
+                p.grad = None
+    with pytest.raises(AssertionError, match="parameter 0 did not change: the update was not "
+                                             "in place"):
+        check_sgd(rebinding)
+
+
 def momentum_sgd(params, buffers, lr, batch_size, momentum=0.9):
     with torch.no_grad():
         for i, p in enumerate(params):

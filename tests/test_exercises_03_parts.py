@@ -50,6 +50,14 @@ def test_the_textbooks_get_params_aliases_on_the_cpu() -> None:
         check_get_params(textbook_get_params)
 
 
+def test_a_copy_without_detach_is_no_leaf_when_the_source_requires_grad() -> None:
+    def undetached(params, device):
+        return [p.clone().to(device).requires_grad_() for p in params]
+    with pytest.raises(AssertionError, match="of sources that require grad: the copy is no "
+                                             "leaf, autograd links it to the source: detach"):
+        check_get_params(undetached)
+
+
 def test_the_textbooks_allreduce_leaves_the_other_devices_without_the_sum() -> None:
     with pytest.raises(AssertionError, match="does not hold the sum"):
         check_allreduce(textbook_allreduce)

@@ -1,7 +1,11 @@
-"""Chapter 04's exercise 6: shards balanced by work; the checker accepts the best split only."""
+"""Chapter 04's checkers: exercise 6's shards balanced by work (the best split only), and the
+cleared split_batch, whose shards must land on their devices."""
+import pytest
 import torch
 
+from dpcourse.collectives import check_devices
 from dpcourse.exercises.ch04 import check_token_shards
+from dpcourse.split import check_batch
 
 
 def greedy_bisection(lengths, k):
@@ -32,3 +36,33 @@ def test_token_shards_accepts_the_best_split_and_rejects_equal_counts(capsys):
     assert "whole numbers" in capsys.readouterr().out
     check_token_shards(None)
     assert capsys.readouterr().out == "not answered yet\n"
+
+
+# ---- the cleared split_batch: where the shards end up ----
+
+def test_split_batch_check_accepts_the_package(capsys):
+    from dpcourse.exercises.ch04 import check_split_batch
+    from dpcourse.split import split_batch
+    check_split_batch(split_batch)
+    assert capsys.readouterr().out.startswith("split_batch is right")
+
+
+def labels_left_in_place(X, y, devs):
+    check_devices(devs, "split_batch")
+    check_batch(X, y)
+    return [c.to(d) for c, d in zip(X.chunk(len(devs)), devs)], list(y.chunk(len(devs)))
+
+
+def sent_in_reverse(X, y, devs):
+    check_devices(devs, "split_batch")
+    check_batch(X, y)
+    return tuple([c.to(d) for c, d in zip(t.chunk(len(devs)), devs[::-1])] for t in (X, y))
+
+
+@pytest.mark.parametrize("split_batch, message", [
+    (labels_left_in_place, r"the shards of y on \['cpu', 'cpu'\]: move shard i"),
+    (sent_in_reverse, r"the shards of X on \['cpu', 'meta'\]: move shard i")])
+def test_split_batch_check_says_where_shards_went_wrong(split_batch, message):
+    from dpcourse.exercises.ch04 import check_split_batch
+    with pytest.raises(AssertionError, match=message):
+        check_split_batch(split_batch)

@@ -105,6 +105,38 @@ def test_train_batch_check_accepts_the_package_and_names_what_is_wrong(capsys):
         check_train_batch(lambda *a, **k: (_ for _ in ()).throw(NotImplementedError()))
 
 
+def step_without(X, y, device_params, devs, lr, allreduce=allreduce, *, idle_zeros=True,
+                 divisor=None):
+    """train_batch written out, without zero gradients for idle replicas, or dividing the
+    summed gradient by divisor(shard sizes) instead of the batch size."""
+    X_shards, y_shards = split_batch(X, y, devs)
+    losses = [loss(lenet(Xs, params), ys).sum()
+              for Xs, ys, params in zip(X_shards, y_shards, device_params)]
+    for l in losses:
+        l.backward()
+    for params in device_params[len(X_shards):] if idle_zeros else []:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    for grads in zip(*[[p.grad for p in params] for params in device_params]):
+        allreduce(list(grads))
+    for params in device_params:
+        sgd(params, lr, divisor([len(s) for s in X_shards]) if divisor else len(y))
+    return sum(l.detach() for l in losses)
+
+
+def test_train_batch_check_says_to_give_an_idle_replica_zero_gradients():
+    with pytest.raises(AssertionError, match="batch 3 on 4 devices: device 3 got no shard and "
+                                             "has no gradient: give an idle replica zero"):
+        check_train_batch(lambda *a, **k: step_without(*a, **k, idle_zeros=False))
+
+
+def test_train_batch_check_says_to_divide_by_the_whole_batch():
+    with pytest.raises(AssertionError, match="batch 10 on 2 devices: the step is as long as if "
+                                             "you divided by a shard's size: divide the summed "
+                                             "gradient by the whole batch"):
+        check_train_batch(lambda *a, **k: step_without(*a, **k, divisor=lambda sizes: sizes[0]))
+
+
 def test_cpu_example_weight_is_the_ratio_of_the_shard_sizes(capsys):
     check_cpu_example_weight(40 / 10)
     assert verdict(capsys) == "correct"

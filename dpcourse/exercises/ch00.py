@@ -147,6 +147,20 @@ def _expected_devices(real: list[torch.device], n: int | None,
     return [torch.device("cpu", i) for i in range(n)], True
 
 
+def _device_hint(real: list[torch.device], n: int | None, simulate: bool) -> str:
+    """Which rule of the chapter's list decides devices(n, simulate=simulate) on this machine."""
+    if simulate:
+        return "simulate=True ignores the accelerators: real = []"
+    if n is None:
+        return "n=None: every real accelerator, or the CPU when there is none"
+    if len(real) >= n:
+        return "with enough real accelerators, return real[:n]"
+    if n == 1:
+        return "one device is no simulation: return [torch.device('cpu')], announce nothing"
+    return ("simulate: the real ones round-robin, real[i % len(real)]" if real
+            else "simulate: torch.device('cpu', i) for i = 0, ..., n-1")
+
+
 def check_device_choice(devices: Callable[..., list[torch.device]]) -> None:
     """Your devices(n, simulate=...) on three pretend machines: the right list, a printed
     announcement exactly when it simulates, and a ValueError for a count that is not >= 1."""
@@ -162,7 +176,7 @@ def check_device_choice(devices: Callable[..., list[torch.device]]) -> None:
                 want, simulated = _expected_devices(real, n, simulate)
                 assert isinstance(got, list) and [str(d) for d in got] == [str(d) for d in want], (
                     f"on a machine with {machine}, {call} gave {got}, want "
-                    f"{[str(d) for d in want]} (ask accelerators() for the real ones)")
+                    f"{[str(d) for d in want]} ({_device_hint(real, n, simulate)})")
                 assert bool(printed.getvalue().strip()) == simulated, (
                     f"on a machine with {machine}, {call} " + ("simulates but printed nothing: "
                     "announce it" if simulated else "is no simulation but printed something"))
@@ -171,6 +185,10 @@ def check_device_choice(devices: Callable[..., list[torch.device]]) -> None:
                     devices(bad)
                 except ValueError:
                     continue
+                except Exception as error:
+                    raise AssertionError(
+                        f"devices({bad!r}) raised {type(error).__name__} ({error}); it should "
+                        "raise ValueError: check that n is an int >= 1 first") from None
                 raise AssertionError(f"devices({bad!r}) did not raise a ValueError: n must be "
                                      "a whole number >= 1")
     print("devices is right: real, round-robin or CPU devices on three machines, announced "

@@ -172,6 +172,7 @@ def check_sgd(sgd: Callable) -> None:
     for p in params:
         p.grad = torch.randn(p.shape, generator=g)
     want = [(p - 0.5 * p.grad / 8).detach() for p in params]
+    before = [p.detach().clone() for p in params]
     tensors, memory = list(params), [p.data_ptr() for p in params]
     sgd(params, 0.5, 8)
     for i, p in enumerate(params):
@@ -180,6 +181,9 @@ def check_sgd(sgd: Callable) -> None:
         assert p.is_leaf and p.grad_fn is None and p.requires_grad, (
             f"parameter {i} is no longer a leaf that requires grad: update it under "
             "torch.no_grad()")
+        assert not torch.equal(p.detach(), before[i]), (
+            f"parameter {i} did not change: the update was not in place (p = p - ... only "
+            "rebinds the name p); write p -= ...")
         gap = float((p.detach() - want[i]).abs().max())
         assert gap <= 1e-6, (f"parameter {i} is off by up to {gap:.2g} from "
                              "p - lr * p.grad / batch_size")

@@ -1,6 +1,7 @@
 """Checkers for chapter 03's exercises (data synchronisation)."""
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -103,23 +104,27 @@ def _simulated(k: int) -> list[torch.device]:
 
 def check_get_params(get_params: Callable) -> None:
     """Your get_params(params, device): equal values in new memory on device, a leaf that
-    requires grad, and the source untouched, even where p.to(device) would be p itself."""
-    for device in (torch.device("cpu"), torch.device("cpu", 1)):
-        params = init_lenet_params(seed=0, scale=0.1)
-        before = [p.clone() for p in params]
+    requires grad, and the source untouched, even where p.to(device) would be p itself and
+    for sources that require grad themselves."""
+    for device, source_grad in itertools.product((torch.device("cpu"), torch.device("cpu", 1)),
+                                                 (False, True)):
+        params = [p.requires_grad_(source_grad) for p in init_lenet_params(seed=0, scale=0.1)]
+        before = [p.detach().clone() for p in params]
         replica = get_params(params, device)
         assert isinstance(replica, list) and len(replica) == len(params), (
             f"get_params should return a list of {len(params)} tensors, got {replica!r:.60}")
         for i, (p, r) in enumerate(zip(params, replica)):
-            where = f"on {device}, parameter {i}"
+            where = (f"on {device}, parameter {i}"
+                     + (" of sources that require grad" if source_grad else ""))
             assert torch.equal(r.detach(), before[i]), f"{where}: the copy's values differ"
             assert r.data_ptr() != p.data_ptr(), (
                 f"{where}: the copy is in the source's memory; ask .to for copy=True")
             assert r.device.type == device.type, f"{where}: the copy is on {r.device}"
-            assert r.is_leaf and r.requires_grad, (
-                f"{where}: the copy must be a leaf that requires grad (detach, then "
-                "requires_grad_())")
-            assert not p.requires_grad, f"{where}: the source now requires grad too"
+            assert r.requires_grad, f"{where}: the copy must require grad (requires_grad_())"
+            assert r.is_leaf, (f"{where}: the copy is no leaf, autograd links it to the "
+                               "source: detach() before copying")
+            assert p.requires_grad == source_grad, (
+                f"{where}: the source's requires_grad changed; leave the source untouched")
     print("get_params is right: independent leaf copies that require grad, the source untouched")
 
 

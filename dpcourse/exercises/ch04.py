@@ -125,7 +125,8 @@ def check_mean_weights(fn: Callable[[list[int]], list[float]] | None) -> None:
 
 
 def check_split_batch(split_batch: Callable) -> None:
-    """Your split_batch: torch.chunk's shards on every device, X and y cut alike, clear errors."""
+    """Your split_batch: torch.chunk's shards, shard i of X and of y on devs[i], X and y cut
+    alike, clear errors."""
     for k in range(1, 6):
         devs = [torch.device("cpu", i) for i in range(k)]
         for n in range(1, 21):
@@ -138,6 +139,11 @@ def check_split_batch(split_batch: Callable) -> None:
                 f"{n} examples on {k} devices: the shards of X are not X's rows in order")
             assert [s.tolist() for s in y_shards] == [c.tolist() for c in y.chunk(k)], (
                 f"{n} examples on {k} devices: the shards of y do not match those of X")
+    placed = [torch.device("meta"), torch.device("cpu")]  # shards on meta hold no values
+    for name, shards in zip("Xy", split_batch(torch.randn(4, 3), torch.arange(4), placed)):
+        where = [s.device.type for s in shards]
+        assert where == ["meta", "cpu"], (f"devices meta, cpu got the shards of {name} on "
+                                          f"{where}: move shard i of X and of y to devs[i]")
     for what, args in (("labels of another length", (torch.randn(5, 3), torch.arange(4))),
                        ("an empty batch", (torch.randn(0, 3), torch.arange(0)))):
         try:

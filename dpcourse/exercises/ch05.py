@@ -127,6 +127,14 @@ def _step_problem(device_params: list[list[torch.Tensor]], ref: list[torch.Tenso
     return None
 
 
+def _step_scale(replica: list[torch.Tensor], ref: list[torch.Tensor],
+                params: list[torch.Tensor]) -> float:
+    """How many one-device steps long the replica's step is (projected onto that step)."""
+    got = torch.cat([(p.detach() - p0).flatten() for p, p0 in zip(replica, params)])
+    want = torch.cat([(r - p0).flatten() for r, p0 in zip(ref, params)])
+    return float(got @ want / (want @ want))
+
+
 def check_train_batch(train_batch: Callable) -> None:
     """Your train_batch: the one-device SGD step on every replica, with the allreduce it is
     given, the summed loss returned, idle devices handled and mismatched replicas refused."""
@@ -136,13 +144,25 @@ def check_train_batch(train_batch: Callable) -> None:
     for k, n in ((1, 10), (2, 10), (3, 10), (4, 3)):
         devs, calls = [torch.device("cpu", i) for i in range(k)], []
         replicas = [get_params(params, d) for d in devs]
-        got = train_batch(X[:n], y[:n], replicas, devs, 0.1,
-                          allreduce=lambda ts: calls.append(len(ts)) or allreduce(ts))
         where = f"batch {n} on {k} device{'s' if k > 1 else ''}"
+
+        def given_allreduce(grads: list[torch.Tensor | None]) -> list[int]:
+            calls.append(len(grads))
+            idle = [i for i, grad in enumerate(grads) if grad is None]
+            assert not idle, (f"{where}: device {idle[0]} got no shard and has no gradient: "
+                              "give an idle replica zero gradients (torch.zeros_like)")
+            return allreduce(grads)
+
+        got = train_batch(X[:n], y[:n], replicas, devs, 0.1, allreduce=given_allreduce)
         assert calls == [k] * 8, (f"{where}: call the given allreduce once per parameter, "
                                   f"on the list of the replicas' gradients (calls on {calls})")
-        problem = _step_problem(replicas, _one_device_step(params, X[:n], y[:n], 0.1),
-                                params)
+        ref = _one_device_step(params, X[:n], y[:n], 0.1)
+        problem = _step_problem(replicas, ref, params)
+        if problem is not None and any(math.isclose(_step_scale(replicas[0], ref, params),
+                                                    n / len(shard), rel_tol=1e-3)
+                                       for shard in X[:n].chunk(k) if len(shard) < n):
+            problem = ("the step is as long as if you divided by a shard's size: divide the "
+                       "summed gradient by the whole batch, X.shape[0]")
         assert problem is None, f"{where}: {problem}"
         want = float(loss(lenet(X[:n], params), y[:n]).sum())
         assert got is not None and abs(float(got) - want) <= 1e-5 * abs(want), (
