@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from functools import partial
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -19,17 +21,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import allreduce, broadcast, get_params
-from .compression import PowerSGDState, powersgd_hook
+from .compression import powersgd_hook
 from .data_parallel import ScratchDataParallel
 from .ddp import ScratchDDP
+from .experiments.comm_demos import TorchsFirstQs, torch_powersgd
 from .fsdp import ScratchFSDP
 from .hardware import accelerators, devices
 from .launch import launch, rank_device
-from .lenet import init_lenet_params, lenet, lenet_layers, loss
+from .lenet import init_lenet_params, lenet, lenet_layers, loss, profile_steps
 from .ring import ring_allreduce
 from .shm import SharedMemoryAllreduce
 from .split import split_batch
-from .training import train_batch
+from .training import sgd, train_batch
 from .zero import ShardedOptimizer
 
 TOLERANCE = 1e-4  # float32, relative to the largest element: one step, several devices
@@ -60,6 +63,65 @@ def check_tensors() -> str:
     for d in devs:
         if not torch.equal(x.to(d).cpu(), x):
             raise AssertionError(f"a round trip through {d} changed the tensor")
+    return names(devs)
+
+
+@contextmanager
+def without_tf32() -> Iterator[None]:
+    """Inside: float32 on a GPU is float32 (no TF32 products), as on the CPU."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def lenet_steps(params: list[torch.Tensor]) -> list[tuple[str, Callable, list[torch.Tensor]]]:
+    """LeNet's forward as chapter 01's steps: (name, function, parameters used)."""
+    W1, b1, W2, b2, W3, b3, W4, b4 = params
+    return [("conv1", lambda h: F.relu(F.conv2d(h, W1, b1)), [W1, b1]),
+            ("pool1", lambda h: F.avg_pool2d(h, kernel_size=2, stride=2), []),
+            ("conv2", lambda h: F.relu(F.conv2d(h, W2, b2)), [W2, b2]),
+            ("pool2", lambda h: F.avg_pool2d(h, kernel_size=2, stride=2), []),
+            ("flatten", lambda h: h.reshape(h.shape[0], -1), []),
+            ("dense1", lambda h: F.relu(h @ W3 + b3), [W3, b3]),
+            ("dense2", lambda h: h @ W4 + b4, [W4, b4])]
+
+
+@without_tf32()
+def check_profile() -> str:
+    """Chapter 01: profile_steps of LeNet on each device counts what it counts on the CPU,
+    and LeNet's output there is the CPU's."""
+    devs = devices(2)
+    X = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    params = init_lenet_params(0, scale=0.1)
+    want_rows, want = profile_steps(lenet_steps(params), X), lenet(X, params)
+    for d in devs:
+        on_d = [p.to(d) for p in params]
+        if profile_steps(lenet_steps(on_d), X.to(d)) != want_rows:
+            raise AssertionError(f"profile_steps counts differently on {d}")
+        close(lenet(X.to(d), on_d), want, f"LeNet's output on {d}")
+    return names(devs)
+
+
+@without_tf32()
+def check_sgd_step() -> str:
+    """Chapter 02: one SGD step of LeNet (loss summed, sgd) on each device, against float64
+    on the CPU."""
+    devs = devices(2)
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
+    start = init_lenet_params(0, scale=0.1)
+    for d, dtype in [(torch.device("cpu"), torch.float64)] + [(d, torch.float32) for d in devs]:
+        params = [p.to(d, dtype).requires_grad_() for p in start]
+        loss(lenet(X.to(d, dtype), params), y.to(d)).sum().backward()
+        sgd(params, 0.1, len(y))
+        if dtype == torch.float64:
+            want = [p.detach() for p in params]
+        else:
+            close(torch.cat([p.reshape(-1) for p in params]),
+                  torch.cat([w.reshape(-1) for w in want]), f"one SGD step on {d}")
     return names(devs)
 
 
@@ -126,83 +188,126 @@ def flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([v.detach().reshape(-1).cpu() for v in state.values()])
 
 
-RANK_WAYS = {
-    "07": ("ScratchDDP", lambda m: (ScratchDDP(m), None)),
-    "07 ": ("torch's DistributedDataParallel", lambda m: (nn.parallel.DistributedDataParallel(
-        m, device_ids=[m[0].weight.device.index] if m[0].weight.is_cuda else None), None)),
-    "09": ("ZeRO-1: ShardedOptimizer under ScratchDDP", lambda m: (ScratchDDP(m), "sharded")),
-    "10": ("ScratchFSDP", lambda m: (ScratchFSDP(m), None)),
-    "11": ("PowerSGD hook at full rank, on ScratchDDP", lambda m: (ScratchDDP(m), "powersgd")),
-}
+def batch(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step's batch of 16 random images and labels, the same in every process."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
-def on_rank() -> dict[str, str]:
-    """One SGD step of every multi-process way on this rank's share of a batch, each against
-    one process on the whole batch: "ok" or what was wrong, by way."""
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+def like_one_process(wrap: Callable[[nn.Module], nn.Module], sharded: bool = False) -> None:
+    """One SGD step of LeNet under wrap (ShardedOptimizer if sharded) on this rank's share of
+    a batch, against one process on the whole batch."""
     device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(0)
-    X, y = torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
+    X, y = batch()
     reference = lenet_layers(0).to(device)
-    one_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), X.to(device), y.to(device))
-    want = flat(reference.state_dict())
-    mine = X.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
-    out = {}
-    for key, (what, wrap) in RANK_WAYS.items():
+    one_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), X.to(device),
+             y.to(device))
+    model = wrap(lenet_layers(rank).to(device))
+    opt = (ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if sharded
+           else torch.optim.SGD(model.parameters(), lr=0.1))
+    one_step(model, opt, X.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device))
+    got = model.full_state_dict() if isinstance(model, ScratchFSDP) else model.module.state_dict()
+    close(flat(got), flat(reference.state_dict()), "the parameters after one step")
+
+
+def torch_ddp(model: nn.Module) -> nn.Module:
+    """torch's DistributedDataParallel, on model's GPU if it has one."""
+    weight = next(model.parameters())
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[weight.device.index] if weight.is_cuda else None)
+
+
+def powersgd_like_torchs(steps: int = 6, matrix_rank: int = 2) -> None:
+    """Our powersgd_hook on ScratchDDP against torch's powerSGD_hook on torch's DDP, from the
+    same first Qs: steps SGD steps of LeNet, compressed at matrix_rank from step 2 on, with
+    warm start and error feedback."""
+    device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
+    trained = []
+    for ours in (True, False):
+        model = lenet_layers(0).to(device)
+        ddp = ScratchDDP(model) if ours else torch_ddp(model)
+        ddp.register_comm_hook(*((TorchsFirstQs(matrix_rank), powersgd_hook) if ours
+                                 else torch_powersgd(matrix_rank)))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(steps):
+            X, y = batch(step)
+            one_step(ddp, opt, X.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device))
+        trained.append(flat(model.state_dict()))
+    close(*trained, f"after {steps} steps at rank {matrix_rank}")
+
+
+def shared_memory_on_rank() -> None:
+    """Chapter 08's shared-memory allreduce against dist.all_reduce."""
+    t = torch.randn(10_000, generator=torch.Generator().manual_seed(dist.get_rank()))
+    want = t.clone()
+    dist.all_reduce(want)
+    with SharedMemoryAllreduce() as shm:
+        shm.allreduce(t)
+    close(t, want, "SharedMemoryAllreduce")
+
+
+@dataclass
+class RankCheck:
+    chapter: str
+    what: str
+    run: Callable[[], None]  # on every rank, picklable; raises when wrong
+    cpu_only: bool = False
+
+
+RANK_CHECKS = [
+    RankCheck("07", "ScratchDDP", partial(like_one_process, ScratchDDP)),
+    RankCheck("07", "torch's DistributedDataParallel", partial(like_one_process, torch_ddp)),
+    RankCheck("08", "SharedMemoryAllreduce", shared_memory_on_rank, cpu_only=True),
+    RankCheck("09", "ZeRO-1: ShardedOptimizer under ScratchDDP",
+              partial(like_one_process, ScratchDDP, sharded=True)),
+    RankCheck("10", "ScratchFSDP", partial(like_one_process, ScratchFSDP)),
+    RankCheck("11", "PowerSGD rank 2, 6 steps, ScratchDDP: as torch's", powersgd_like_torchs)]
+
+
+def on_rank(checks: list[RankCheck]) -> list[tuple[str, float]]:
+    """Each check on this rank: "ok" or what was wrong, and its seconds."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    out = []
+    for check in checks:
+        start = time.perf_counter()
         try:
-            model, extra = wrap(lenet_layers(rank).to(device))
-            opt = (ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-                   if extra == "sharded" else torch.optim.SGD(model.parameters(), lr=0.1))
-            if extra == "powersgd":
-                model.register_comm_hook(PowerSGDState(10_000, start_step=0), powersgd_hook)
-            one_step(model, opt, *mine)
-            got = model.full_state_dict() if isinstance(model, ScratchFSDP) else model.module.state_dict()
-            close(flat(got), want, what)
-            out[key] = "ok"
+            if check.cpu_only and rank_device().type != "cpu":
+                verdict = "not run: CPU tensors only"
+            else:
+                check.run()
+                verdict = "ok"
         except Exception as error:  # noqa: BLE001 - reported in the table
-            out[key] = f"FAILED: {type(error).__name__}: {error}"
-    out["08"] = shared_memory_on_rank() if device.type == "cpu" else "not run: CPU tensors only"
+            verdict = f"FAILED: {type(error).__name__}: {error}"
+        out.append((verdict, time.perf_counter() - start))
     return out
 
 
-def shared_memory_on_rank() -> str:
-    """Chapter 08's shared-memory allreduce against dist.all_reduce."""
-    try:
-        t = torch.randn(10_000, generator=torch.Generator().manual_seed(dist.get_rank()))
-        want = t.clone()
-        dist.all_reduce(want)
-        with SharedMemoryAllreduce() as shm:
-            shm.allreduce(t)
-        close(t, want, "SharedMemoryAllreduce")
-        return "ok"
-    except Exception as error:  # noqa: BLE001 - reported in the table
-        return f"FAILED: {type(error).__name__}: {error}"
-
-
 LOCAL = [Check("00", "tensors to each device and back", check_tensors),
+         Check("01", "profile_steps and LeNet's output on 2 devices", check_profile),
+         Check("02", "one SGD step of LeNet on each of 2 devices", check_sgd_step),
          Check("03", "broadcast, allreduce, ring_allreduce on 3 devices", check_collectives),
          Check("04-05", "split_batch and train_batch on 2 devices", check_train_batch),
          Check("06", "ScratchDataParallel (and nn.DataParallel on real GPUs)",
                check_data_parallel)]
 
 
-def rank_rows(world_size: int = 2) -> list[tuple[str, str, str, str, float]]:
-    """The multi-process checks, run in one launch: nccl with a GPU per rank, else gloo."""
+def rank_rows(world_size: int = 2, checks: list[RankCheck] | None = None
+              ) -> list[tuple[str, str, str, str, float]]:
+    """The multi-process checks (RANK_CHECKS), run in one launch: nccl with a GPU per rank,
+    else gloo. A row's seconds: its check's on the slowest rank (start-up is in none)."""
+    checks = RANK_CHECKS if checks is None else checks
     gpus = len([d for d in accelerators() if d.type == "cuda"])
     backend = "nccl" if gpus >= world_size else "gloo"
     where = f"{world_size} processes, {backend}" + ("" if backend == "nccl" else " on the CPU")
-    start = time.perf_counter()
     try:
-        results = launch(on_rank, world_size=world_size, backend=backend, timeout=180)
+        results = launch(on_rank, checks, world_size=world_size, backend=backend, timeout=180)
     except Exception as error:  # noqa: BLE001 - a crashed or hung rank fails every row
-        results = [{key: f"FAILED: {error}" for key in [*RANK_WAYS, "08"]}]
-    seconds = (time.perf_counter() - start) / (len(RANK_WAYS) + 1)
+        results = [[(f"FAILED: {error}", 0.0)] * len(checks)]
     rows = []
-    for key in [*RANK_WAYS, "08"]:
-        what = RANK_WAYS[key][0] if key in RANK_WAYS else "SharedMemoryAllreduce (chapter 08)"
-        verdicts = sorted({r[key] for r in results}, key=lambda v: not v.startswith("FAILED"))
-        verdict = verdicts[0]  # a failure on any rank first
-        rows.append((key.strip(), what, where, verdict, seconds))
+    for i, check in enumerate(checks):
+        verdicts = sorted({r[i][0] for r in results}, key=lambda v: not v.startswith("FAILED"))
+        rows.append((check.chapter, check.what, where, verdicts[0],
+                     max(r[i][1] for r in results)))
     if backend == "gloo":
         rows.append(("07-11", "the same on nccl, one GPU per process", "-",
                      f"not run: needs {world_size} GPUs", 0.0))

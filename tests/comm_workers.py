@@ -2,7 +2,10 @@
 from tests/ (pytest's sys.path, which a rank inherits)."""
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any, Callable
+
 
 import torch
 import torch.distributed as dist
@@ -12,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpcourse.compression import PowerSGDState, allreduce_hook, bf16_hook, powersgd_hook
 from dpcourse.ddp import GradBucket, ScratchDDP
+from dpcourse.experiments.comm_demos import TorchsFirstQs, all_reduce_payload, torch_powersgd
 from dpcourse.local_sgd import DiLoCo
 
 STEPS = 6
@@ -52,11 +56,14 @@ HOOKS: dict[str, Callable[[], tuple[Any, Callable]]] = {
     "powersgd full rank": lambda: (PowerSGDState(10_000, start_step=0), powersgd_hook)}
 
 
-def hooked(wrapper: str, hook: str, dtype: torch.dtype = torch.float64) -> dict[str, Any]:
-    """STEPS SGD steps under wrapper ("scratch", "torch", "none": plain DDP) with hook."""
+def hooked(wrapper: str, hook: str, dtype: torch.dtype = torch.float64,
+           bucket_cap_mb: float = 25.0, **torchs: Any) -> dict[str, Any]:
+    """STEPS SGD steps under wrapper ("scratch", "torch", "none": plain DDP) with hook;
+    torchs: more arguments for torch's DDP."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = net(rank, dtype)
-    ddp = ScratchDDP(model) if wrapper == "scratch" else DistributedDataParallel(model)
+    ddp = (ScratchDDP(model, bucket_cap_mb) if wrapper == "scratch"
+           else DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **torchs))
     state = None
     if hook != "none":
         state, fn = HOOKS[hook]()
@@ -65,10 +72,17 @@ def hooked(wrapper: str, hook: str, dtype: torch.dtype = torch.float64) -> dict[
     return {"state": final, "bytes_sent": getattr(state, "bytes_sent", None)}
 
 
-def hook_checks() -> dict[str, Any]:
-    """Every hook on both DDPs, and plain torch DDP (the reference) in float64 and float32."""
+def hook_checks(signals: str) -> dict[str, Any]:
+    """Every hook on both DDPs, and plain torch DDP (the reference) in float64 and float32;
+    PowerSGD against torch's powerSGD_hook; whether each hook returns before its average
+    arrives (signals: a folder for the ranks' handshake)."""
     out = {(w, h): hooked(w, h) for w in ("scratch", "torch") for h in HOOKS}
     out["scratch", "none"] = hooked("scratch", "none")
+    out["per-parameter buckets", "powersgd"] = hooked("scratch", "powersgd", bucket_cap_mb=0)
+    out["torch per-parameter buckets", "powersgd"] = hooked("torch", "powersgd", bucket_cap_mb=0,
+                                                             find_unused_parameters=True)
+    out["against torch's powerSGD_hook"] = {r: against_torch_powersgd(r) for r in (2, 8, 16)}
+    out["done when returned"] = done_when_returned(Path(signals))
     out["bf16 in float32"] = hooked("scratch", "bf16", torch.float32)
     out["plain in float32"] = hooked("scratch", "none", torch.float32)
     out["powersgd bytes"] = powersgd_bytes()
@@ -131,3 +145,92 @@ def diloco_checks() -> dict[str, Any]:
     return {"as_ddp": as_ddp, "ddp": reference, "synced": [s for s in synced if s is not None],
             "syncs": opt.syncs, "bytes_sent": opt.bytes_sent,
             "numel": sum(p.numel() for p in model.parameters())}
+
+
+def wide_net(seed: int) -> nn.Module:
+    """LeNet's small matrices in a float64 net: a 20 x 9 kernel, a 128 x 320 and a 10 x 128."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 20, 3), nn.Tanh(), nn.Flatten(), nn.Linear(320, 128),
+                         nn.Tanh(), nn.Linear(128, 10)).double()
+
+
+def against_torch_powersgd(matrix_rank: int) -> dict[str, Any]:
+    """wide_net, STEPS SGD steps on torch's DDP under our powersgd_hook (from torch's first
+    Qs) and under torch's powerSGD_hook set as ours: final states, payload bytes per step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for way, (state, hook) in {"ours": (TorchsFirstQs(matrix_rank), powersgd_hook),
+                               "torch": torch_powersgd(matrix_rank)}.items():
+        ddp = DistributedDataParallel(wide_net(rank))
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.2)
+        sent = []
+        for step in range(STEPS):
+            x, y = batch(step, rank, world)
+            opt.zero_grad()
+            with all_reduce_payload() as payload:
+                F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            sent.append(payload["bytes"])
+        out[way] = {"state": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()},
+                    "bytes per step": sent}
+    return out
+
+
+ASYNC_HOOKS: dict[str, Callable[[], tuple[Any, Callable]]] = {
+    "allreduce": lambda: (None, allreduce_hook), "bf16": lambda: (None, bf16_hook),
+    "powersgd before start_step": lambda: (PowerSGDState(1, start_step=1), powersgd_hook),
+    "powersgd compressing": lambda: (PowerSGDState(1, start_step=0), powersgd_hook)}
+
+
+def done_when_returned(signals: Path, patience_s: float = 60.0) -> dict[str, Any]:
+    """Each hook on a bucket (a 6 x 5 matrix and a bias) while rank 1 holds its part back
+    until rank 0's hook has returned (a file in signals says so; after patience_s it goes on
+    anyway, so that a blocking hook fails instead of hanging): on rank 0, whether the
+    future was already done; on every rank, the largest gap to the exact average, relative to
+the ranks' mean magnitude there."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = [nn.Parameter(torch.zeros(6, 5)), nn.Parameter(torch.zeros(6))]
+    out = {}
+    for name, make in ASYNC_HOOKS.items():
+        grads = [torch.randn(36, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        returned = signals / name.replace(" ", "_")
+        if rank == 1:
+            deadline = time.monotonic() + patience_s
+            while not returned.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        state, hook = make()
+        future = hook(state, GradBucket(0, grads[rank].clone(), params, False))  # not last:
+        # the last compressed bucket waits for itself, since DDP may start a collective next
+        done = future.done()
+        if rank == 0:
+            returned.touch()
+        error = (future.wait() - sum(grads) / world).abs()
+        out[name] = {"done": done, "gap": (error / (sum(g.abs() for g in grads) / world)).max()}
+    return out
+
+
+class _Forgetting(dict):
+    """A dict that keeps nothing: PowerSGD's qs without warm start."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+def selfchecks_powersgd_without(feature: str) -> None:
+    """course.py check's PowerSGD check, our hook without feature ("error feedback" or
+    "warm start"): it must raise."""
+    from dpcourse import selfcheck
+
+    class Broken(TorchsFirstQs):
+        def __init__(self, matrix_rank: int) -> None:
+            super().__init__(matrix_rank)
+            if feature == "error feedback":
+                self.error_feedback = False
+            else:
+                self.qs = _Forgetting()
+    intact, selfcheck.TorchsFirstQs = selfcheck.TorchsFirstQs, Broken
+    try:
+        selfcheck.powersgd_like_torchs()
+    finally:
+        selfcheck.TorchsFirstQs = intact

@@ -42,18 +42,30 @@ from dpcourse.local_sgd import DiLoCo
 
 def summing_bf16(group, bucket):
     half = bucket.buffer().to(torch.bfloat16)
-    dist.all_reduce(half)
-    return _done(bucket.buffer().copy_(half))
+    work = dist.all_reduce(half, async_op=True)
+    return work.get_future().then(lambda fut: bucket.buffer().copy_(fut.value()[0]))
 
 
 def float32_bf16(group, bucket):
     buffer = bucket.buffer().div_(dist.get_world_size())
-    dist.all_reduce(buffer)
-    return _done(buffer)
+    work = dist.all_reduce(buffer, async_op=True)
+    return work.get_future().then(lambda fut: buffer)
+
+
+def blocking_bf16(group, bucket):  # right, but backward waits for the allreduce
+    buffer = bucket.buffer()
+    half = buffer.div(dist.get_world_size(group)).to(torch.bfloat16)
+    dist.all_reduce(half, group=group)
+    return _done(buffer.copy_(half))
 
 
 def summing_low_rank(state, params, grads):
-    return [a * dist.get_world_size() for a in right_low_rank(state, params, grads)]
+    return right_low_rank(state, params, grads).then(
+        lambda fut: [a * dist.get_world_size() for a in fut.value()])
+
+
+def blocking_low_rank(state, params, grads):  # right, but returns what the future holds
+    return right_low_rank(state, params, grads).wait()
 
 
 def forgetful_low_rank(state, params, grads):
@@ -113,7 +125,9 @@ def test_the_rank_checks_say_what_is_wrong(tmp_path):
     path.write_text(MISTAKES)
     cases = {(check_bf16_hook, "summing_bf16"): "divide by the world size",
              (check_bf16_hook, "float32_bf16"): "cast to bfloat16 before sending",
+             (check_bf16_hook, "blocking_bf16"): "waited for its all_reduce: pass async_op=True",
              (check_low_rank_average, "summing_low_rank"): "the ranks' sum",
+             (check_low_rank_average, "blocking_low_rank"): "return a future of the approx",
              (check_low_rank_average, "forgetful_low_rank"): r"step 1: .*state.errors",
              (check_sync, "SummingDiLoCo"): "sum of the pseudo-gradients",
              (check_sync, "FromCurrentDiLoCo"): "copy the round's start"}

@@ -27,18 +27,24 @@ BF16_TOLERANCE = 2.0 ** (1 - BF16_BITS)  # two roundings of at most 2^-8 each, r
 
 
 @contextmanager
-def recorded_all_reduces() -> Iterator[list[torch.Tensor]]:
-    """Inside: every dist.all_reduce also notes a copy of the tensor it was handed."""
+def recorded_all_reduces() -> Iterator[list[tuple[torch.Tensor, bool]]]:
+    """Inside: every dist.all_reduce also notes a copy of the tensor it was handed, and
+    whether it was asked not to wait (async_op=True)."""
     calls, all_reduce = [], dist.all_reduce
 
     def noting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        calls.append(tensor.detach().clone())
+        calls.append((tensor.detach().clone(), bool(kwargs.get("async_op", False))))
         return all_reduce(tensor, *args, **kwargs)
     dist.all_reduce = noting
     try:
         yield calls
     finally:
         dist.all_reduce = all_reduce
+
+
+def is_future(value: Any) -> bool:
+    """Whether value is a torch future (torch.futures.Future, or what .then returns)."""
+    return isinstance(value, torch._C.Future)
 
 
 def _rank_gradient(rank: int, numel: int) -> torch.Tensor:
@@ -52,16 +58,21 @@ def _rank_gradient(rank: int, numel: int) -> torch.Tensor:
 
 def check_bf16_hook(hook: Callable[[Any, GradBucket], torch.futures.Future]) -> str:
     """On each rank: your hook averages a bucket of float32 gradients within 2^-7 of the mean
-    magnitude (bfloat16's 8 bits, rounded twice), hands all_reduce bfloat16 only, and returns
-    a float32 tensor of the bucket's size."""
+    magnitude (bfloat16's 8 bits, rounded twice), hands all_reduce bfloat16 only, without
+    waiting for it (async_op=True), and returns a future of a float32 tensor of the bucket's
+    size."""
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = 1000
     param = nn.Parameter(torch.zeros(numel))
     bucket = GradBucket(0, _rank_gradient(rank, numel), [param], True)
     with recorded_all_reduces() as sent:
-        got = hook(None, bucket).wait()
+        future = hook(None, bucket)
+        assert is_future(future), (
+            f"the hook returned {type(future).__name__}: return a torch.futures.Future, "
+            "work.get_future().then(...)")
+        got = future.wait()
     assert sent, "nothing was sent: average the bucket with dist.all_reduce"
-    kinds = {t.dtype for t in sent}
+    kinds = {t.dtype for t, _ in sent}
     assert kinds == {torch.bfloat16}, (
         f"all_reduce was handed {sorted(map(str, kinds))}: cast to bfloat16 before sending, "
         "so that half the bytes travel")
@@ -80,8 +91,11 @@ def check_bf16_hook(hook: Callable[[Any, GradBucket], torch.futures.Future]) -> 
             "that is the sum over the ranks: divide by the world size (before casting)")
         raise AssertionError("the average is further from float32's than bfloat16's 8 bits "
                              "allow: divide by the world size, cast, all_reduce, cast back")
-    return (f"bf16_hook is right: on {world} ranks it sends bfloat16 and averages within 2^-7 "
-            "of the ranks' mean magnitude, element by element")
+    assert all(waits_not for _, waits_not in sent), (
+        "the hook waited for its all_reduce: pass async_op=True and return "
+        "work.get_future().then(...), so that backward goes on while the bucket travels")
+    return (f"bf16_hook is right: on {world} ranks it sends bfloat16 without waiting and "
+            "averages within 2^-7 of the ranks' mean magnitude, element by element")
 
 
 @lru_cache(maxsize=1)
@@ -170,17 +184,22 @@ def _low_rank_hint(want: torch.Tensor, got: torch.Tensor, world: int) -> str:
             "(torch.linalg.qr(p).Q), Q = M^T P divided by the world size, all_reduce Q, P Q^T")
 
 
-def _one(result: Any, count: int = 1) -> Any:
-    """The approximations low_rank_averages returned: a list of count tensors, or why not."""
+def _one(future: Any, count: int = 1) -> Any:
+    """The approximations low_rank_averages' future holds: a list of count tensors, or why
+    not."""
+    assert is_future(future), (
+        f"returned {type(future).__name__}: return a future of the approximations, "
+        "chain(summed(the P's), send_qs), so that nobody waits for the allreduces")
+    result = future.wait()
     assert isinstance(result, (list, tuple)) and len(result) == count, (
-        f"returned {type(result).__name__}{f' of {len(result)}' if isinstance(result, (list, tuple)) else ''}"
-        f": return a list with one approximation per matrix ({count} here)")
+        f"the future holds {type(result).__name__}{f' of {len(result)}' if isinstance(result, (list, tuple)) else ''}"
+        f": let it hold a list with one approximation per matrix ({count} here)")
     return result[0] if count == 1 else result
 
 
 def check_low_rank_average(fn: Callable[[PowerSGDState, list[torch.Tensor], list[torch.Tensor]],
-                                        list[torch.Tensor]]) -> str:
-    """On each rank: your low_rank_averages at full rank is the exact average (float64, 1e-12),
+                                        torch.futures.Future]) -> str:
+    """On each rank: your low_rank_averages' future at full rank is the exact average (float64, 1e-12),
     for two matrices of other shapes at once too; at rank 2, three steps equal one power
     iteration each on the ranks' matrices plus their errors, warm-started (1e-10); the bytes
     are r(n + m) numbers; the state is kept."""
@@ -222,7 +241,7 @@ def check_low_rank_average(fn: Callable[[PowerSGDState, list[torch.Tensor], list
         f"bytes_sent is {state.bytes_sent} after 3 calls at matrix rank 2, want {3 * 8 * 2 * (n + m)}:"
         " p.nbytes + q.nbytes per call, r(n + m) numbers")
     off = PowerSGDState(2, start_step=0, error_feedback=False)
-    fn(off, [param], [_matrices(rank, (n, m), 0)])
+    _one(fn(off, [param], [_matrices(rank, (n, m), 0)]))
     assert param not in off.errors, "with error_feedback=False keep no error"
     shapes = [(5, 9), (8, 3)]
     pair = [nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in shapes]
@@ -405,8 +424,9 @@ def check_rank_like_bf16(answer: int | None) -> None:
              rank_like_bf16(bf16_bytes=1): "a bfloat16 number takes 2 bytes, not 1",
              want + 1: f"at rank {want + 1} PowerSGD sends {4 * (want + 1) * (n + m):,} bytes, "
              f"more than bfloat16's {2 * n * m:,}: round down",
-             min(n, m): "at full rank the factors are exact, but they send "
-             f"{4 * min(n, m) * (n + m):,} bytes: more than even float32's {4 * n * m:,}"}
+             min(n, m): "at full rank the factors would be exact, but "
+             f"{4 * min(n, m) * (n + m):,} bytes, more than float32's {4 * n * m:,}: "
+             "powersgd_hook sends the matrix whole there, in float32"}
     if answer != want:
         print(f"not quite: {answer}: " + hints.get(answer, (
             f"bfloat16 sends 2 x {n} x {m} bytes; rank r sends 4 r ({n} + {m}); take the "

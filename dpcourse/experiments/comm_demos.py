@@ -286,6 +286,23 @@ def torch_powersgd(matrix_rank: int) -> tuple[Any, Callable]:
     return state, torch_hook.powerSGD_hook
 
 
+class TorchsFirstQs(PowerSGDState):
+    """Our PowerSGD state, from the first Qs torch's powerSGD_hook (default seed) draws for a
+    model in one bucket: its seed, one draw per compressed matrix in the bucket's order. Only
+    a Q's span counts, so from them both hooks compute the same, within rounding."""
+
+    def __init__(self, matrix_rank: int) -> None:
+        import numpy as np  # torch's hook draws its seeds with numpy
+
+        super().__init__(matrix_rank, start_step=2)
+        seed = int(np.random.RandomState(0).randint(1_000_000_000))
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def initial_q(self, grad: torch.Tensor, matrix_rank: int) -> torch.Tensor:
+        return torch.randn(grad.shape[1], matrix_rank, generator=self.generator,
+                           dtype=grad.dtype).to(grad.device)
+
+
 def compare_powersgd_on_rank(matrix_rank: int, steps: int, round_steps: int, batch_size: int,
                              train_size: int, test_size: int,
                              source: str) -> dict[str, dict[str, Any]]:
