@@ -7,22 +7,28 @@ yields these shards, so an optimizer built on them holds sharded state). A unit'
 parameters exist only while it runs: all-gathered just before its forward, freed after it,
 gathered again when backward needs them, and their gradient is reduce-scattered (averaged
 over the ranks, like DDP) into the shards' ``.grad``. With ``prefetch`` the next unit's
-all-gather runs while the current unit computes. Autograd would keep the gathered parameters
-alive from forward to backward; a saved-tensor hook keeps a note instead and re-gathers.
+all-gather runs while the current unit computes: in forward the next in the last forward's
+order, in backward the previous in this forward's order. Autograd would keep the gathered
+parameters alive from forward to backward; a saved-tensor hook keeps a note instead and
+re-gathers. ``model.timeline`` records what ran when and the bytes sent; ``close()`` (or a
+``with`` block) removes the hooks and ends the helper thread.
 
 Supported: every rank runs the same units in the same order; a unit's parameters are used
 only inside its own forward (called as ``unit(x)``); a parameter belongs to one unit (the
 innermost listed); frozen parameters and buffers stay whole on every rank (rank 0's, sent at
 wrap time; buffers a forward changes stay per rank, as in torch's FSDP). The shards keep the
 parameters' dtype; with ``compute_dtype`` (say bfloat16) the shards are cast before each
-all-gather, forward, backward and the reduce-scatter run in that dtype, the averaged
-gradients arrive in the shards' dtype (float32 master weights) and the output is float32.
+all-gather and the frozen parameters for each forward (as FSDP2 casts every parameter it
+manages; buffers are not cast), forward, backward and the reduce-scatter run in that dtype,
+the averaged gradients arrive in the shards' dtype (float32 master weights) and the output
+is float32.
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -91,6 +97,43 @@ class Unit:
         self.arriving: tuple[torch.futures.Future, torch.Tensor] | None = None  # in flight
 
 
+class Timeline:
+    """What a ScratchFSDP did when, kept apart from the algorithm (for figures and tests): the
+    last step's events (kind, unit, started, finished; perf_counter seconds) and the bytes of
+    the full tensors each collective kind moved ("all-gather", "reduce-scatter"), summed."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, float, float]] = []
+        self.bytes = {"all-gather": 0, "reduce-scatter": 0}
+        self._since = time.perf_counter()  # when the rank last went back to computing
+
+    def clear(self) -> None:
+        """A new step: forget the last one's events."""
+        self.events, self._since = [], time.perf_counter()
+
+    def collective(self, kind: str, unit: Unit, full: torch.Tensor,
+                   future: torch.futures.Future) -> None:
+        """A collective of kind on unit's full tensor started: count its bytes, add the event
+        once future completes."""
+        start = self._since = time.perf_counter()
+        self.bytes[kind] += full.nbytes
+        future.add_done_callback(lambda _: self.events.append(
+            (kind, unit.name, start, time.perf_counter())))
+
+    @contextmanager
+    def waiting(self, unit: Unit) -> Iterator[None]:
+        """The block waits for unit's all-gather: add a "wait" event."""
+        start = time.perf_counter()
+        yield
+        self._since = time.perf_counter()
+        self.events.append(("wait", unit.name, start, self._since))
+
+    def computed(self, kind: str, unit: Unit) -> None:
+        """unit's forward or backward (kind) ends now; it began at the last event's end."""
+        start, self._since = self._since, time.perf_counter()
+        self.events.append((kind, unit.name, start, self._since))
+
+
 class _GatherUnit(torch.autograd.Function):
     """Forward: the unit's full parameters, all-gathered from the shards. Backward: their
     gradient reduce-scattered back to the shards (written into .grad when backward ends)."""
@@ -102,6 +145,7 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, None, None]:
+        ctx.fsdp.timeline.computed("backward", ctx.unit)
         ctx.fsdp._reduce_scatter(ctx.unit, grad_full)
         return None, None, None
 
@@ -123,37 +167,41 @@ class ScratchFSDP(nn.Module):
         self._shapes = {k: t.shape for k, t in module.state_dict().items()}  # full_state_dict's
         self.units = _build_units(module, units)
         self.shards = nn.ParameterList([unit.shard for unit in self.units])
-        with torch.no_grad():  # frozen parameters and buffers: rank 0's, whole on every rank
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
-        for unit in self.units:
+        for t in [*module.parameters(), *module.buffers()]:  # what is left: frozen parameters
+            dist.broadcast(t, src=0)  # and buffers, rank 0's, kept whole on every rank
+        self._hooks = [hook for unit in self.units for hook in (  # removed by close()
             unit.module.register_forward_pre_hook(partial(self._before_unit, unit),
-                                                  with_kwargs=True)
-            unit.module.register_forward_hook(partial(self._after_unit, unit))
+                                                  with_kwargs=True),
+            unit.module.register_forward_hook(partial(self._after_unit, unit)))]
         self._start_bookkeeping()
 
     def _start_bookkeeping(self) -> None:
         """What the steps keep track of: gathered storages, unit order, work in flight."""
         self._by_storage: dict[int, Unit] = {}  # data_ptr of a gathered unit's storage
-        self._order: list[Unit] = []  # the units in the order the last forward ran them
-        self._running: list[Unit] = []
+        self._order: list[Unit] = []  # the order the last forward ran the units in
+        self._running: list[Unit] = []  # the units this forward has run so far
         self._reducing: list[tuple[Unit, torch.futures.Future]] = []  # this rank's sums
-        self._in_forward, self._callback_queued = False, False
+        self._in_forward, self._callback_queued, self._closed = False, False, False
         self._thread = HelperThread()  # runs the ring, or waits for a reduce-scatter
-        self.events: list[tuple[str, str, float, float]] = []  # the last step's timeline
-        self.bytes_gathered = self.bytes_reduced = 0  # sizes of the full tensors, summed
+        self.timeline = Timeline()  # what ran when, the bytes sent: for figures and tests
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; autograd keeps notes instead of the gathered parameters."""
-        self._order, self._running = self._running or self._order, []
-        self._in_forward, self._callback_queued, self.events = True, False, []
+        """Run the module (frozen parameters in compute_dtype too); autograd keeps notes
+        instead of the gathered parameters."""
+        if self._closed:
+            raise RuntimeError("ScratchFSDP: this wrapper is closed (close() or the end of its "
+                               "with block): wrap the module in a new one to go on")
+        self._running, self._in_forward, self._callback_queued = [], True, False
+        self.timeline.clear()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                out = self.module(*args, **kwargs)
+                frozen = _frozen_in(self.module, self.compute_dtype)
+                out = torch.func.functional_call(self.module, frozen, args, kwargs)
         finally:
             self._in_forward = False
             for unit in self.units:  # a prefetched unit nobody ran: wait for it, drop it
                 self._free(unit)
+        self._order = self._running  # backward's prefetch walks it in reverse
         return _to_float32(out) if self.compute_dtype is not None else out
 
     # --- gathering and freeing ---
@@ -164,24 +212,23 @@ class ScratchFSDP(nn.Module):
             return
         shard = unit.shard.detach().to(self.compute_dtype or unit.shard.dtype)
         full = shard.new_empty(shard.numel() * self.world)
-        self.bytes_gathered += full.nbytes
         if self.ring:
             full.chunk(self.world)[self.rank].copy_(shard)
             future = self._thread.submit(_ring_gathered, full)
         else:
             future = _all_gather(full, shard, async_op=True).get_future()
         unit.arriving = (future, full)
-        self._note_when_done("all-gather", unit, future)
+        self.timeline.collective("all-gather", unit, full, future)
 
     def _gathered(self, unit: Unit) -> torch.Tensor:
         """unit's full parameters: waited for if on their way, else gathered now."""
         self._start_gather(unit)
         if unit.arriving is not None:
-            (future, full), start = unit.arriving, time.perf_counter()
-            future.wait()
+            future, full = unit.arriving
+            with self.timeline.waiting(unit):
+                future.wait()
             unit.full, unit.arriving = full, None
             self._by_storage[full.untyped_storage().data_ptr()] = unit
-            self.events.append(("wait", unit.name, start, time.perf_counter()))
         return unit.full
 
     def _free(self, unit: Unit) -> None:
@@ -197,17 +244,12 @@ class ScratchFSDP(nn.Module):
                 setattr(module, attr, NotGathered.of(name))
 
     def _prefetch(self, unit: Unit, step: int) -> None:
-        """Start gathering the unit that runs after unit (step 1: in forward; -1: backward)."""
+        """Start gathering the unit that runs after unit (step 1: in forward; -1: in backward),
+        by the order the last finished forward ran them in (in backward: this step's)."""
         if self.prefetch and unit in self._order:
             i = self._order.index(unit) + step
             if 0 <= i < len(self._order):
                 self._start_gather(self._order[i])
-
-    def _note_when_done(self, kind: str, unit: Unit, future: torch.futures.Future) -> None:
-        """Add (kind, unit, started, finished) to the timeline once future completes."""
-        start = time.perf_counter()
-        future.add_done_callback(lambda _: self.events.append(
-            (kind, unit.name, start, time.perf_counter())))
 
     # --- forward ---
 
@@ -224,16 +266,14 @@ class ScratchFSDP(nn.Module):
         for owners, view in zip(unit.owners, unflatten(full, unit.shapes)):
             for owner, attr, _ in owners:
                 setattr(owner, attr, view)
-        self._compute_start = time.perf_counter()
         if self.compute_dtype is None:
             return args, kwargs
         return _cast(args, self.compute_dtype), _cast(kwargs, self.compute_dtype)
 
     def _after_unit(self, unit: Unit, module: nn.Module, args: tuple, output: Any) -> None:
         """Forward hook: free unit's full parameters."""
-        self.events.append(("forward", unit.name, self._compute_start, time.perf_counter()))
+        self.timeline.computed("forward", unit)
         self._free(unit)
-        self._compute_start = time.perf_counter()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         """What autograd saves: a note in place of a view of gathered parameters."""
@@ -257,10 +297,8 @@ class ScratchFSDP(nn.Module):
     def _reduce_scatter(self, unit: Unit, grad_full: torch.Tensor) -> None:
         """Start summing unit's gradient into this rank's slice of it; free the parameters."""
         self._queue_finish()
-        self.events.append(("backward", unit.name, self._compute_start, time.perf_counter()))
         self._free(unit)
         grad = grad_full.detach().contiguous()
-        self.bytes_reduced += grad.nbytes
         if self._reducing:  # one in flight at a time (as torch's FSDP): a full gradient
             self._reducing[-1][1].wait()  # waiting to be sent is memory too
         if self.ring:
@@ -270,14 +308,13 @@ class ScratchFSDP(nn.Module):
             work = _reduce_scatter(out, grad, async_op=True)  # gloo's: no future, so the
             future = self._thread.submit(_waited, work, out)  # helper thread waits for it
         self._reducing.append((unit, future))
-        self._note_when_done("reduce-scatter", unit, future)
-        self._compute_start = time.perf_counter()
+        self.timeline.collective("reduce-scatter", unit, grad, future)
 
     def _queue_finish(self) -> None:
         """Once per backward: have autograd call _finish when it is done."""
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued, self._compute_start = True, time.perf_counter()
+            self._callback_queued = True
 
     @torch.no_grad()
     def _finish(self) -> None:
@@ -343,6 +380,20 @@ class ScratchFSDP(nn.Module):
         for key in self._shapes.keys() - sharded:  # frozen parameters and buffers
             getattr(*_owner_of(self.module, key)).copy_(state_dict[key])
 
+    def close(self) -> None:
+        """Remove the hooks from the units and end the helper thread: the wrapper cannot run
+        after (its shards and full_state_dict() stay)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._thread.close()
+        self._closed = True
+
+    def __enter__(self) -> "ScratchFSDP":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _build_units(module: nn.Module, units: Iterable[nn.Module] | None) -> list[Unit]:
     """The units, each with its trainable parameters (a parameter goes to the innermost unit
@@ -396,6 +447,14 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, dict):
         return {k: cast(v) for k, v in value.items()}
     return tuple(cast(v) for v in value)
+
+
+def _frozen_in(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """module's floating-point parameters left after wrapping (the frozen ones) cast to dtype,
+    by name (for torch.func.functional_call); none without a dtype."""
+    if dtype is None:
+        return {}
+    return {name: p.to(dtype) for name, p in module.named_parameters() if p.is_floating_point()}
 
 
 def _to_float32(out: Any) -> Any:

@@ -2,6 +2,9 @@
 sys.path, which a rank inherits)."""
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -181,29 +184,40 @@ def sgd_update(model: nn.Module, before: dict[str, torch.Tensor]) -> dict[str, t
     return {k: before[k] - after[k] for k in before}
 
 
-def bf16_checks(ring: bool = False) -> dict[str, Any]:
-    """One step's averaged gradient with compute_dtype=bfloat16 (float32 master weights),
-    and the bytes gathered and reduce-scattered in it."""
+def bf16_checks(ring: bool = False, name: str = "small") -> dict[str, Any]:
+    """One step's averaged gradient with compute_dtype=bfloat16 (float32 master weights), the
+    bytes gathered and reduce-scattered in it, and the dtypes the parameters are kept in."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = ScratchFSDP(small_net(rank), compute_dtype=torch.bfloat16, ring=ring)
+    model = ScratchFSDP(MODELS[name](rank), compute_dtype=torch.bfloat16, ring=ring)
     before = model.full_state_dict()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     one_step_gradients(model, rank, world, torch.float32)
     opt.step()
     return {"gradient": sgd_update(model, before), "master_dtypes": [
-        p.dtype for p in model.parameters()], "bytes": (model.bytes_gathered,
-                                                        model.bytes_reduced)}
+        p.dtype for p in [*model.parameters(), *model.module.parameters()]],
+        "bytes": (model.timeline.bytes["all-gather"], model.timeline.bytes["reduce-scatter"])}
 
 
-def bf16_reference() -> dict[str, dict[str, torch.Tensor]]:
-    """One process, the same casts (a bfloat16 copy of the float32 weights runs forward and
-    backward; the loss in float32), and plain float32: each one's gradient on step 0."""
+def attempt(check: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """check(*args), or {"error": its message}: a check that raises on every rank alike lets
+    the other checks of the launch run."""
+    try:
+        return check(*args)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def bf16_reference(name: str = "small") -> dict[str, dict[str, torch.Tensor]]:
+    """One process, the same casts (a bfloat16 copy of the float32 weights, frozen ones too,
+    runs forward and backward; the loss in float32), and plain float32: each one's gradient
+    of the trainable parameters on step 0."""
     out = {}
-    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        model = small_net(0).to(dtype)
+    for precision, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        model = MODELS[name](0).to(dtype)
         x, y = batch(0)
         F.cross_entropy(model(x.to(dtype)).float(), y).backward()
-        out[name] = {k: p.grad.float() for k, p in model.named_parameters()}
+        out[precision] = {k: p.grad.float() for k, p in model.named_parameters()
+                          if p.requires_grad}
     return out
 
 
@@ -246,18 +260,59 @@ def state_dict_checks() -> dict[str, Any]:
 
 
 def timeline_checks() -> dict[str, Any]:
-    """The second step's events with and without prefetch, and the bytes of one step."""
+    """Each of two steps' events with and without prefetch (the first step's backward is
+    already its forward's reverse), and the bytes of one step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for prefetch in (True, False):
-        model = ScratchFSDP(small_net(rank).double(), prefetch=prefetch)
+        model, steps = ScratchFSDP(small_net(rank).double(), prefetch=prefetch), []
         for step in range(2):
-            gathered, reduced = model.bytes_gathered, model.bytes_reduced
+            sent = dict(model.timeline.bytes)
             x, y = batch(step, rank, world)
             F.cross_entropy(model(x), y).backward()
-        out[prefetch] = {"events": model.events, "order": [u.name for u in model._order],
-                         "bytes": (model.bytes_gathered - gathered, model.bytes_reduced - reduced),
+            steps.append(model.timeline.events)
+        out[prefetch] = {"steps": steps, "order": [u.name for u in model._order],
+                         "bytes": tuple(model.timeline.bytes[k] - sent[k] for k in sent),
                          "padded": [u.shard.numel() * world for u in model.units]}
+    return out
+
+
+def helper_threads() -> set[threading.Thread]:
+    """The helper threads (chapter 07's HelperThread) alive in this process."""
+    return {t for t in threading.enumerate() if t.name.startswith("dpcourse-hook")}
+
+
+def close_checks() -> dict[str, Any]:
+    """A ScratchFSDP with ring=True after a step, closed by close() and by a with block:
+    helper threads and hooks left, whether the wrapper is freed once dropped (no cycle, no
+    garbage collection), the error of a forward after close; the state it kept."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = batch(0, rank, world)
+    gc.collect()  # earlier checks' unclosed wrappers end their threads when collected
+    before, out = helper_threads(), {}
+    gc.disable()
+    try:
+        for way in ("close()", "with"):
+            model = ScratchFSDP(small_net(rank).double(), ring=True)
+            if way == "with":
+                with model:
+                    F.cross_entropy(model(x), y).backward()
+            else:
+                F.cross_entropy(model(x), y).backward()
+                model.close()
+            out[way] = {"threads": len(helper_threads() - before),
+                        "hooks": sum(len(u.module._forward_pre_hooks) + len(u.module._forward_hooks)
+                                     for u in model.units),
+                        "state": model.full_state_dict()}
+            try:
+                model(x)
+            except RuntimeError as error:
+                out[way]["after close"] = str(error)
+            alive = weakref.ref(model)
+            del model
+            out[way]["freed"] = alive() is None
+    finally:
+        gc.enable()
     return out
 
 
@@ -285,6 +340,9 @@ def error_checks() -> dict[str, str]:
 
 def extra_checks() -> dict[str, Any]:
     """Everything but training, in one launch."""
-    return {"bf16": bf16_checks(), "bf16 ring": bf16_checks(ring=True), "clip": {m: clip_checks(m) for m in (0.05, 100.0)},
+    return {"bf16": bf16_checks(), "bf16 ring": bf16_checks(ring=True),
+            "bf16 frozen": attempt(bf16_checks, False, "frozen"),
+            "bf16 frozen ring": attempt(bf16_checks, True, "frozen"),
+            "clip": {m: clip_checks(m) for m in (0.05, 100.0)},
             "state_dict": state_dict_checks(), "timeline": timeline_checks(),
-            "errors": error_checks()}
+            "close": attempt(close_checks), "errors": error_checks()}

@@ -4,6 +4,7 @@ import itertools
 import math
 
 import pytest
+import torch.nn.functional as F
 
 from dpcourse.exercises.ch10 import (BUDGET_CASES, NORM_CASES, check_clip_grad_norm,
                                      check_clip_scale, check_finish, check_flat_shard,
@@ -38,7 +39,7 @@ def test_the_flat_checks_pass_the_packages_functions():
     (check_flat_shard, lambda flat, r, k: flat.tensor_split(k)[r].clone(), "pad with zeros"),
     (check_flat_shard, lambda flat, r, k: flat_shard(flat, r, k).float(), "dtype"),
     (check_flat_shard, lambda flat, r, k: flat.chunk(k)[r] if flat.numel() % k == 0
-     else flat_shard(flat, r, k), "return a copy"),
+     else flat_shard(flat, r, k), "shares flat's storage"),
     (check_unflatten, lambda full, shapes: [t.clone() for t in unflatten(full, shapes)], "copy"),
     (check_unflatten, lambda full, shapes: [full[:s.numel()].view(s) for s in shapes],
      "in order"),
@@ -46,6 +47,34 @@ def test_the_flat_checks_pass_the_packages_functions():
 def test_the_flat_checks_say_what_is_wrong(check, wrong, reason):
     with pytest.raises(AssertionError, match=reason):
         check(wrong)
+
+
+def unpadded_chunk(flat, rank, world):
+    return flat.chunk(world)[rank].clone()
+
+
+def no_clone(flat, rank, world):  # F.pad copies flat, but the piece is a view of that copy
+    return F.pad(flat, (0, padded_numel(flat.numel(), world) - flat.numel())).chunk(world)[rank]
+
+
+@pytest.mark.parametrize("check, wrong, message", [
+    (check_padded_numel, lambda n, k: float(padded_numel(n, k)),
+     "padded_numel(0, 1) returns 0.0, a float: return an int, a count of numbers "
+     "(// divides whole numbers, / makes floats)"),
+    (check_flat_shard, unpadded_chunk,
+     "flat_shard(flat, 1, 2) with flat.numel() == 1 raised IndexError (tuple index out of range): "
+     ".chunk(world_size) gives fewer than world_size pieces when they do not divide numel: "
+     "pad flat with zeros to padded_numel first (F.pad)"),
+    (check_flat_shard, no_clone,
+     "flat_shard(flat, 0, 2) with flat.numel() == 1 is a view into a storage of 2 numbers, "
+     "which it keeps alive: return a copy of the piece (.clone()), whose storage holds the "
+     "piece only"),
+])
+def test_the_flat_checks_answer_a_float_no_padding_and_no_copy_in_one_line(check, wrong,
+                                                                           message):
+    with pytest.raises(AssertionError) as error:
+        check(wrong)
+    assert str(error.value) == message
 
 
 # --- the methods a student writes (run on 2 ranks) -------------------------------------------

@@ -9,6 +9,7 @@ bfloat16, so a bfloat16 gradient is compared within 2^-6 of the largest gradient
 (measured: about 5e-3).
 """
 import math
+from collections import defaultdict
 
 import pytest
 import torch
@@ -93,6 +94,23 @@ def test_bfloat16_compute_matches_one_process_with_the_same_casts(checked, world
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("way", ["bf16 frozen", "bf16 frozen ring"])
+def test_bfloat16_compute_casts_frozen_parameters_too_and_keeps_them_float32(checked, world,
+                                                                              way):
+    expected = fsdp_workers.bf16_reference("frozen")
+    for r in checked[world]:
+        assert "error" not in r[way], r[way].get("error")
+        assert all(dtype == torch.float32 for dtype in r[way]["master_dtypes"])
+        for key, update in r[way]["gradient"].items():
+            if key not in expected["bfloat16"]:  # frozen: whole, float32, unchanged
+                assert update.dtype == torch.float32 and not update.any(), key
+                continue
+            scale = expected["float32"][key].abs().max().item()
+            torch.testing.assert_close(update, expected["bfloat16"][key], rtol=0,
+                                       atol=BF16_SHARE * scale, msg=key)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])
 def test_clip_grad_norm_is_torchs_on_the_whole_model(checked, world, max_norm):
     expected = fsdp_workers.clip_reference(max_norm)
@@ -122,23 +140,42 @@ def test_a_step_gathers_every_unit_twice_and_reduce_scatters_it_once(checked, wo
     assert checked[world][0]["bf16"]["bytes"] == (2 * 2 * bf16, 2 * bf16)  # half of float32
 
 
-def forward_events(timeline: dict) -> tuple[dict, dict]:
-    """Each unit's first all-gather start, and its forward's end."""
-    started, ended = {}, {}
-    for kind, unit, start, end in timeline["events"]:
+def gathers_and_ends(events: list, phase: str) -> tuple[dict, dict]:
+    """Each unit's all-gather start in phase (of its two in a step, the first for "forward",
+    the second for "backward"), and the end of its compute in that phase."""
+    starts, ended = defaultdict(list), {}
+    for kind, unit, start, end in events:
         if kind == "all-gather":
-            started.setdefault(unit, start)
-        if kind == "forward":
+            starts[unit].append(start)
+        if kind == phase:
             ended[unit] = end
-    return started, ended
+    return {unit: sorted(s)[phase == "backward"] for unit, s in starts.items()}, ended
 
 
-def test_prefetch_starts_the_next_units_gather_before_the_current_unit_ends(checked):
+@pytest.mark.parametrize("phase, step", [("forward", 1), ("backward", 0), ("backward", 1)])
+def test_prefetch_starts_the_next_units_gather_before_the_current_unit_ends(checked, phase,
+                                                                            step):
+    """Forward prefetches by the last forward's order (so not in the first step); backward by
+    this forward's, reversed: from the first step on, as torch's FSDP2."""
     for prefetch, timeline in checked[2][0]["timeline"].items():
-        started, ended = forward_events(timeline)
-        order = timeline["order"]
+        started, ended = gathers_and_ends(timeline["steps"][step], phase)
+        order = timeline["order"] if phase == "forward" else timeline["order"][::-1]
         early = [started[after] < ended[unit] for unit, after in zip(order, order[1:])]
-        assert all(early) if prefetch else not any(early)
+        assert all(early) if prefetch else not any(early), (phase, step, prefetch, early)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("way", ["close()", "with"])
+def test_close_and_a_with_block_end_the_helper_thread_and_remove_the_hooks(checked, world,
+                                                                          way):
+    expected = fsdp_workers.small_net(0).double().state_dict()
+    for r in checked[world]:
+        assert "error" not in r["close"], r["close"].get("error")
+        closed = r["close"][way]
+        assert closed["threads"] == 0 and closed["hooks"] == 0
+        assert closed["freed"]  # no hook left holding the wrapper in a cycle
+        assert "wrapper is closed" in closed["after close"]
+        assert_states_close(closed["state"], expected, rtol=0, atol=0)
 
 
 def test_misuse_gives_clear_errors(checked):

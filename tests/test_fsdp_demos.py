@@ -1,5 +1,5 @@
 """Chapter 10's measurements: the ZeRO-3 formulas by hand, the peak measure on known
-allocations, and on real ranks (four launches of 2): the bytes between steps are the shards',
+allocations, and on real ranks (five launches of 2): the bytes between steps are the shards',
 every free is placed, fully_shard trains like one process, and the bytes per step are the
 formula's."""
 import threading
@@ -10,6 +10,7 @@ import torch
 
 from dpcourse.experiments import fsdp_demos
 from dpcourse.experiments.fsdp_demos import PeakMemory
+from dpcourse.experiments.zero_demos import activation_bytes
 from dpcourse.fsdp import padded_numel
 from dpcourse.lenet import lenet_layers
 from dpcourse.memory import bytes_per_rank, largest_model, zero3_peak_bytes
@@ -107,6 +108,22 @@ def test_zero3_holds_the_shards_between_steps_and_every_free_is_placed():
                    in zip(r[way]["peak"], r[way]["between_steps"]))
 
 
+def test_ddp_and_zero2_peaks_are_their_formulas_less_the_activations():
+    """linear_stack on 2 ranks, 8 examples each: what backward adds to the bytes a rank holds
+    is at its peak (the last bucket's hook, the activations gone) the formula's: DDP every
+    gradient twice, ZeRO-2 three times (gloo's list reduce_scatter keeps a copy of each
+    bucket in flight) and its last bucket once more (the hook's per-rank pieces)."""
+    r = fsdp_demos.measure_sharding(2, "mlp", 8, ways=("ddp", "zero2"))
+    model = fsdp_demos.linear_stack()
+    activations = activation_bytes(model, *fsdp_demos.model_batch("mlp", 8, seed=0))
+    for way in ("ddp", "zero2"):
+        formula = r[way]["formula"]  # what backward adds: the peak less what a rank holds
+        added = r[way]["formula_peak"] - formula["total"] + formula["gradients"]
+        for peak, held in zip(r[way]["peak"], r[way]["between_steps"]):  # (uneven shards)
+            measured = peak - held["total"] + held["gradients"]
+            assert added - activations <= measured <= added, (way, measured, added)
+
+
 def test_bytes_per_step_are_the_formulas():
     """One step on 2 ranks: FSDP gathers LeNet's padded units twice and reduce-scatters them
     once, ours and torch's alike (half the bytes in bfloat16); DDP allreduces it once. On a
@@ -131,11 +148,13 @@ def test_fully_shard_and_scratch_fsdp_train_like_one_process():
 
 
 def test_ring_reduce_scatter_sends_half_of_gloos():
-    """On 2 ranks the ring sends (k-1)/k = half the tensor; gloo's reduce-scatter, an
-    allreduce (pytorch/pytorch#118911), twice that by the ring's law."""
+    """On 2 ranks the ring sends (k-1)/k = half the tensor, counted; gloo's reduce-scatter, an
+    allreduce (pytorch/pytorch#118911), twice that by the ring's law: derived, not counted."""
     r = fsdp_demos.gloo_reduce_scatter(2, numels=(1024,), repeats=1)
     assert r["p2p.ring_reduce_scatter"][1024]["bytes_sent"] == 2048
     assert r["gloo reduce_scatter"][1024]["bytes_sent"] == 4096
+    assert [r[name][1024]["bytes_counted"] for name in fsdp_demos.REDUCE_SCATTERS] == [
+        False, False, True]
     assert all(r[name][1024]["seconds"] > 0 for name in fsdp_demos.REDUCE_SCATTERS)
 
 

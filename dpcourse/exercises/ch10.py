@@ -12,7 +12,7 @@ from torch import nn
 from ..data_parallel import max_relative_difference
 from ..fsdp import flat_shard, padded_numel
 from ..lenet import lenet_layers
-from . import answered, is_number, one_line_failure
+from . import answered, is_int, is_number, one_line_failure
 
 # --- the flat parameters (step 2), checked in the notebook's own process --------------------
 
@@ -27,29 +27,45 @@ def check_padded_numel(padded: Callable[[int, int], int]) -> str:
             assert got == want, (
                 f"padded_numel({numel}, {world}) returns {got!r}, want {want}: the smallest "
                 "multiple of world_size that is at least numel")
+            assert is_int(got), (
+                f"padded_numel({numel}, {world}) returns {got!r}, a {type(got).__name__}: "
+                "return an int, a count of numbers (// divides whole numbers, / makes floats)")
     return "padded_numel is right: the smallest multiple of world_size at least numel"
 
 
 def check_flat_shard(shard: Callable[[torch.Tensor, int, int], torch.Tensor]) -> str:
-    """Your flat_shard against torch.chunk of the zero-padded vector, and a copy, not a view."""
+    """Your flat_shard against torch.chunk of the zero-padded vector, and a shard that owns its
+    storage (a copy, not a view into flat or into the padded vector)."""
     gen = torch.Generator().manual_seed(0)
     for numel in SIZES:
         flat = torch.randn(numel, generator=gen, dtype=torch.float64)
         for world in range(1, 5):
             padded = torch.cat([flat, flat.new_zeros(-numel % world)])
             for rank, want in enumerate(padded.chunk(world)):
-                got = shard(flat, rank, world)
+                where = f"flat_shard(flat, {rank}, {world}) with flat.numel() == {numel}"
+                try:
+                    got = shard(flat, rank, world)
+                except IndexError as error:
+                    raise AssertionError(
+                        f"{where} raised IndexError ({error}): .chunk(world_size) gives fewer "
+                        "than world_size pieces when they do not divide numel: pad flat with "
+                        "zeros to padded_numel first (F.pad)") from None
                 assert isinstance(got, torch.Tensor) and got.shape == want.shape, (
-                    f"flat_shard of {numel} numbers, rank {rank} of {world}: shape "
-                    f"{tuple(getattr(got, 'shape', ()))}, want {tuple(want.shape)}: every "
-                    "shard has ceil(numel / world) numbers (pad with zeros first)")
+                    f"{where}: shape {tuple(getattr(got, 'shape', ()))}, want "
+                    f"{tuple(want.shape)}: every shard has ceil(numel / world) numbers (pad "
+                    "with zeros first)")
                 assert got.dtype == flat.dtype, f"the shard is {got.dtype}: keep flat's dtype"
                 assert torch.equal(got, want), (
-                    f"flat_shard of {numel} numbers, rank {rank} of {world} differs from "
-                    "torch.chunk of the zero-padded vector: rank r takes the r-th equal piece")
-                got.add_(1)
-                assert torch.equal(padded[:numel], flat), (
-                    "writing into the shard changed flat: return a copy (.clone())")
+                    f"{where} differs from torch.chunk of the zero-padded vector: rank r "
+                    "takes the r-th equal piece")
+                storage = got.untyped_storage()
+                assert storage.data_ptr() != flat.untyped_storage().data_ptr(), (
+                    f"{where} shares flat's storage (writing into it changes flat): return a "
+                    "copy of the piece (.clone())")
+                assert storage.nbytes() == got.nbytes, (
+                    f"{where} is a view into a storage of {storage.nbytes() // got.itemsize} "
+                    "numbers, which it keeps alive: return a copy of the piece (.clone()), "
+                    "whose storage holds the piece only")
     return "flat_shard is right: rank r's equal piece of the zero-padded vector, a copy"
 
 
@@ -119,16 +135,19 @@ def check_start_gather(cls: type) -> str:
             f"forward (prefetch={prefetch}, ring={ring}) differs from one process's: all-gather "
             "every rank's shard into full (shard.numel() * world numbers), rank r's at r")
         numbers = sum(padded_numel(u.numel, world) for u in model.units)
-        assert model.bytes_gathered == 8 * numbers, (
-            f"bytes_gathered is {model.bytes_gathered} after one forward, want {8 * numbers} "
-            "(the full tensors' bytes, full.nbytes, once per unit)")
+        gathered = model.timeline.bytes["all-gather"]
+        assert gathered == 8 * numbers, (
+            f"the timeline counts {gathered} bytes gathered in one forward, want {8 * numbers} "
+            "(the full tensors' bytes, once per unit): call self.timeline.collective("
+            '"all-gather", unit, full, future) once per all-gather')
         assert all(u.full is None and u.arriving is None for u in model.units), (
             "a unit is still gathered after forward: record (future, full) in unit.arriving")
     model = cls(lenet_layers(rank), compute_dtype=torch.bfloat16)
     one_line_failure("forward with compute_dtype=bfloat16", lambda: model(X.float()))
     numbers = sum(padded_numel(u.numel, world) for u in model.units)
-    assert model.bytes_gathered == 2 * numbers, (
-        f"with compute_dtype=bfloat16 {model.bytes_gathered} bytes were gathered, want "
+    gathered = model.timeline.bytes["all-gather"]
+    assert gathered == 2 * numbers, (
+        f"with compute_dtype=bfloat16 {gathered} bytes were gathered, want "
         f"{2 * numbers}: cast the shard to self.compute_dtype before the all-gather")
     return (f"_start_gather is right: on {world} ranks forward equals one process's within "
             "1e-12 (prefetch or not, ring or not), bfloat16 gathers half the bytes")

@@ -157,7 +157,7 @@ def collectives(model: nn.Module) -> list[tuple[float, float]]:
     """(started, finished) of each collective of model's last step (ScratchFSDP's all-gathers
     and reduce-scatters, ScratchDDP's buckets), in time.perf_counter seconds."""
     if isinstance(model, ScratchFSDP):
-        return [(start, end) for kind, _, start, end in model.events
+        return [(start, end) for kind, _, start, end in model.timeline.events
                 if kind in ("all-gather", "reduce-scatter")]
     return [(start, end) for _, start, end in model.timeline()]
 
@@ -214,6 +214,8 @@ def measure_sharding_on_rank(model: str, batch_size: int,
                     "unaccounted": start + memory.net(comms, kept) - after}
         if isinstance(wrapped, ScratchFSDP):
             out[way]["unit_numels"] = [unit.numel for unit in wrapped.units]
+        else:  # the bucket ZeRO-2's hook cuts last, while the others are still in flight
+            out[way]["last_bucket_numel"] = sum(p.numel() for p in wrapped.buckets[-1].params)
         del wrapped, opt
     out["activations"] = activation_bytes(MODELS[model](0), X, y)
     out["num_params"] = sum(p.numel() for p in MODELS[model](0).parameters())
@@ -231,11 +233,13 @@ def measure_sharding(world_size: int = 2, model: str = "mlp", batch_size: int = 
 
     The peak formula: ZeRO-3, memory.zero3_peak_bytes with the activations (halved in
     bfloat16); DDP and ZeRO-1/2, bytes_per_rank with every gradient in full (during backward
-    they all exist, ZeRO-2's too) twice (the parameters' .grad and the bucket averaged), three
-    times for ZeRO-2 (its hook also cuts the bucket into per-rank pieces), plus the
-    activations. "mlp" (linear_stack) is the chapter's model: its parameters outweigh the
-    activations, as in the models FSDP is for; in "lenet" the activations (and the
-    convolutions' scratch buffers) dominate at any useful batch.
+    they all exist, ZeRO-2's too) twice (the parameters' .grad and the bucket averaged), plus
+    the activations. ZeRO-2 holds them three times (gloo's list reduce_scatter keeps its own
+    copy of each bucket, the other ranks' pieces and this rank's result, until it ends) and
+    the last bucket once more (the hook's per-rank pieces, a copy freed when
+    dist.reduce_scatter returns). "mlp" (linear_stack) is the chapter's model: its
+    parameters outweigh the activations, as in the models FSDP is for; in "lenet" the
+    activations (and the convolutions' scratch buffers) dominate at any useful batch.
     """
     _check_model(model)
     unknown = [w for w in ways if w not in SHARDING_WAYS]
@@ -258,9 +262,10 @@ def measure_sharding(world_size: int = 2, model: str = "mlp", batch_size: int = 
                 activation_bytes=activations * compute // 4)["total"]
         else:
             full = bytes_per_rank(num_params, world_size, "ddp")["gradients"]
-            copies = 3 if stage == "zero2" else 2
-            r["formula_peak"] = (r["formula"]["total"] - r["formula"]["gradients"]
-                                 + copies * full + activations)
+            held = (3 * full + 4 * ranks[0][way]["last_bucket_numel"] if stage == "zero2"
+                    else 2 * full)
+            r["formula_peak"] = (r["formula"]["total"] - r["formula"]["gradients"] + held
+                                 + activations)
         out[way] = r
     return out
 
@@ -352,10 +357,11 @@ def collective_bytes(fn: Callable[[], object]) -> dict[str, int]:
 def bytes_per_step(way: str, wrapped: nn.Module, step: Callable[[], None]) -> dict[str, int]:
     """The bytes way gathers and reduces in one call of step (ScratchFSDP counts its own)."""
     if isinstance(wrapped, ScratchFSDP):
-        before = wrapped.bytes_gathered, wrapped.bytes_reduced
+        sent = wrapped.timeline.bytes
+        before = dict(sent)
         step()
-        return {"bytes_gathered": wrapped.bytes_gathered - before[0],
-                "bytes_reduced": wrapped.bytes_reduced - before[1]}
+        return {"bytes_gathered": sent["all-gather"] - before["all-gather"],
+                "bytes_reduced": sent["reduce-scatter"] - before["reduce-scatter"]}
     return collective_bytes(step)
 
 
@@ -469,7 +475,8 @@ RS_NUMELS = (2**14, 2**18, 2**22)  # float32: 64 KiB, 1 MiB, 16 MiB
 
 def gloo_reduce_scatter_on_rank(numels: list[int], repeats: int) -> dict[str, dict[int, Any]]:
     """Median seconds (slowest rank) of each of REDUCE_SCATTERS on float32 tensors of each
-    numel, alternated, and the bytes this rank sends in each (the ring's law for gloo's)."""
+    numel, alternated, and the bytes this rank sends in each: the ring counts them, gloo's
+    are derived (the ring's law for an allreduce)."""
     world, out = dist.get_world_size(), {name: {} for name in REDUCE_SCATTERS}
     share = (world - 1) / world
     for numel in numels:
@@ -484,17 +491,20 @@ def gloo_reduce_scatter_on_rank(numels: list[int], repeats: int) -> dict[str, di
                 "gloo all_reduce": 2 * share * x.nbytes,
                 "p2p.ring_reduce_scatter": ring_sent[-1] * x.element_size()}
         for name in REDUCE_SCATTERS:
-            out[name][numel] = {"seconds": median[name], "bytes_sent": sent[name]}
+            out[name][numel] = {"seconds": median[name], "bytes_sent": sent[name],
+                                "bytes_counted": name == "p2p.ring_reduce_scatter"}
     return out
 
 
 def gloo_reduce_scatter(world_size: int = 2, numels: tuple[int, ...] = RS_NUMELS,
                         repeats: int = 5, timeout: float = 180.0) -> dict[str, dict[int, Any]]:
-    """{name: {numel: {"seconds", "bytes_sent"}}} for gloo's reduce-scatter (what ScratchFSDP
-    calls: reduce_scatter_single, formerly reduce_scatter_tensor), gloo's allreduce and chapter
-    07's ring reduce-scatter (send/recv; it counts the elements it sends: (k-1)/k of the
-    tensor). gloo's bytes are the ring's law: pytorch/pytorch#118911 says its reduce-scatter
-    is an allreduce and a slice, which the times show; numels divisible by world_size."""
+    """{name: {numel: {"seconds", "bytes_sent", "bytes_counted"}}} for gloo's reduce-scatter
+    (what ScratchFSDP calls: reduce_scatter_single, formerly reduce_scatter_tensor), gloo's
+    allreduce and chapter 07's ring reduce-scatter (send/recv; it counts the elements it
+    sends: (k-1)/k of the tensor, "bytes_counted" True). gloo's bytes are derived, not
+    counted: the ring's law for an allreduce, 2(k-1)/k of the tensor, since
+    pytorch/pytorch#118911 says its reduce-scatter is an allreduce and a slice, which the
+    times show; numels divisible by world_size."""
     if any(n % world_size for n in numels):
         raise ValueError(f"every numel must be divisible by world_size {world_size}")
     return launch(gloo_reduce_scatter_on_rank, list(numels), repeats, world_size=world_size,
@@ -504,8 +514,8 @@ def gloo_reduce_scatter(world_size: int = 2, numels: tuple[int, ...] = RS_NUMELS
 # --- one step's timeline -------------------------------------------------------------------------
 
 def fsdp_timelines_on_rank(batch_size: int) -> dict[str, list[tuple[str, str, float, float]]]:
-    """ScratchFSDP.events of one LeNet step after WARMUP_STEPS, in seconds after its start,
-    with prefetch and without."""
+    """ScratchFSDP.timeline.events of one LeNet step after WARMUP_STEPS, in seconds after its
+    start, with prefetch and without."""
     X, y = model_batch("lenet", batch_size, seed=dist.get_rank())
     out = {}
     for prefetch in (True, False):
@@ -516,7 +526,7 @@ def fsdp_timelines_on_rank(batch_size: int) -> dict[str, list[tuple[str, str, fl
         start = time.perf_counter()
         train_step(wrapped, opt, X, y)
         out[f"prefetch={prefetch}"] = [(kind, unit, begin - start, end - start)
-                                       for kind, unit, begin, end in wrapped.events]
+                                       for kind, unit, begin, end in wrapped.timeline.events]
     return out
 
 
