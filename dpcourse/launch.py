@@ -10,11 +10,14 @@ first starts in milliseconds, not seconds) on Linux, and spawned elsewhere.
 
 ``fn`` must live in an importable module: a new process shares no memory with the notebook;
 it finds ``fn`` by importing its module, and a notebook's ``__main__`` cannot be imported.
+The arguments travel by value: each rank gets its own copy of them, and of a slice of a tensor
+only the slice's elements.
 """
 from __future__ import annotations
 
 import ctypes
 import gc
+import io
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -31,13 +34,13 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from .resume import to_cpu, write_atomically
 from .shm import remove_segments_of
 
 GRACE_S = 1.0  # after a failure, how long the other ranks get to report theirs
@@ -91,6 +94,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a whole number >= 1 or None, got {threads!r}")
     backend = choose_backend(world_size, backend)
+    task = by_value(fn, args)  # unpickled on the rank, in its environment
     deadline = time.monotonic() + timeout
     workdir = tempfile.mkdtemp(prefix="dpcourse-launch-")
     procs: list[mp.process.BaseProcess] = []
@@ -99,7 +103,6 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
         with _child_environment(threads):
             for rank in range(world_size):
                 spec = _Rank(rank, world_size, backend, workdir, timeout, dict(os.environ))
-                task = bytes(ForkingPickler.dumps((fn, args)))  # opened on the rank, in its env.
                 proc = ctx.Process(target=_run_rank, args=(task, spec),  # not daemonic:
                                    name=f"dpcourse-rank-{rank}")  # a rank may start workers
                 procs.append(proc)  # before start: an interrupted start is still cleaned up
@@ -134,6 +137,30 @@ def check_picklable(fn: Callable[..., Any]) -> None:
             f"launch cannot send {fn!r} to another process ({exc}): use a function defined at "
             "the top level of an importable module (not a lambda, nor one defined inside "
             "another function)") from exc
+
+
+class _ByValuePickler(pickle.Pickler):
+    """pickle that sends a tensor which views part of a larger storage (a slice) as a copy
+    of its own elements: pickle would send the whole storage."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (type(obj) is torch.Tensor and obj.layout == torch.strided
+                and obj.untyped_storage().nbytes() > obj.numel() * obj.element_size()):
+            own = obj.detach().clone().requires_grad_(obj.requires_grad)
+            return own.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return NotImplemented
+
+
+def by_value(fn: Callable[..., Any], args: tuple) -> bytes:
+    """(fn, args) pickled by value: every rank unpickles its own copy of the tensors.
+    (multiprocessing's pickler, as torch extends it, would move them into shared memory.)"""
+    buffer = io.BytesIO()
+    try:
+        _ByValuePickler(buffer, pickle.HIGHEST_PROTOCOL).dump((fn, args))
+    except Exception as exc:
+        raise ValueError(f"launch cannot send the arguments of {fn!r} to another process "
+                         f"({type(exc).__name__}: {exc})") from exc
+    return buffer.getvalue()
 
 
 def start_context() -> mp.context.BaseContext:
@@ -215,7 +242,7 @@ def _run_rank(task: bytes, spec: _Rank) -> None:
                                 timeout=timedelta(seconds=spec.timeout))
         (work / f"ready{spec.rank}").touch()
         value = fn(*args)
-        _save_atomic(_to_cpu(value), work / f"result{spec.rank}.pt")
+        write_atomically(work / f"result{spec.rank}.pt", to_cpu(value))
     except BaseException as exc:  # noqa: BLE001 - every error goes back to the parent
         failed = True
         _save_error(work, spec.rank, exc)
@@ -270,26 +297,6 @@ def _redirect_output(work: Path, rank: int) -> None:
     for fd, name in ((1, "out"), (2, "err")):
         with open(work / f"rank{rank}.{name}", "wb") as f:
             os.dup2(f.fileno(), fd)
-
-
-def _to_cpu(value: Any) -> Any:
-    """value with every tensor detached, on the CPU and owning its memory."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return type(value)((k, _to_cpu(v)) for k, v in value.items())
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_to_cpu(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
-def _save_atomic(value: Any, path: Path) -> None:
-    """torch.save to path, visible only once complete."""
-    tmp = path.with_suffix(".tmp")
-    torch.save(value, tmp)
-    os.replace(tmp, path)
 
 
 def _save_error(work: Path, rank: int, exc: BaseException) -> None:

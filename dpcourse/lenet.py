@@ -2,6 +2,7 @@
 profile of it, step by step)."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -62,19 +63,51 @@ class LeNet(nn.Module):
         return lenet(X, list(self.params))
 
 
-def lenet_model(seed: int = 0) -> LeNet:
-    """The course's LeNet as an nn.Module, weights drawn from seed at the CPU scale 0.1."""
-    return LeNet(init_lenet_params(seed, scale=0.1))
+class DropoutLeNet(LeNet):
+    """LeNet with dropout p on the input of each dense layer while training (train_ddp
+    --dropout): the same parameters, under the same state_dict keys."""
+
+    def __init__(self, params: list[torch.Tensor], p: float) -> None:
+        super().__init__(params)
+        self.p = p
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        W1, b1, W2, b2, W3, b3, W4, b4 = self.params
+        h = F.avg_pool2d(F.relu(F.conv2d(X, W1, b1)), kernel_size=2, stride=2)
+        h = F.avg_pool2d(F.relu(F.conv2d(h, W2, b2)), kernel_size=2, stride=2)
+        h = F.relu(F.dropout(h.reshape(h.shape[0], -1), self.p, self.training) @ W3 + b3)
+        return F.dropout(h, self.p, self.training) @ W4 + b4
+
+
+class DropoutLinear(nn.Linear):
+    """nn.Linear with dropout p on its input while training: in a Sequential it keeps its
+    index, so the state_dict keys and chapter 10's unit names stay those without dropout."""
+
+    def __init__(self, in_features: int, out_features: int, p: float) -> None:
+        super().__init__(in_features, out_features)
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(F.dropout(x, self.p, self.training))
+
+
+def lenet_model(seed: int = 0, dropout: float = 0.0) -> LeNet:
+    """The course's LeNet as an nn.Module, weights drawn from seed at the CPU scale 0.1; with
+    dropout p > 0 before each dense layer."""
+    params = init_lenet_params(seed, scale=0.1)
+    return DropoutLeNet(params, dropout) if dropout else LeNet(params)
 
 
 @torch.no_grad()
-def lenet_layers(seed: int = 0) -> nn.Sequential:
+def lenet_layers(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
     """The same LeNet (the same weights as lenet_model(seed)) built from nn.Conv2d and nn.Linear
-    layers, which a wrapper can take one by one (chapter 10's units)."""
+    layers, which a wrapper can take one by one (chapter 10's units); with dropout p > 0, its
+    dense layers are DropoutLinear (the same indices and keys)."""
     W1, b1, W2, b2, W3, b3, W4, b4 = init_lenet_params(seed, scale=0.1)
+    dense = partial(DropoutLinear, p=dropout) if dropout else nn.Linear
     model = nn.Sequential(nn.Conv2d(1, 20, 3), nn.ReLU(), nn.AvgPool2d(2),
                           nn.Conv2d(20, 50, 5), nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(),
-                          nn.Linear(800, 128), nn.ReLU(), nn.Linear(128, 10))
+                          dense(800, 128), nn.ReLU(), dense(128, 10))
     layers = [m for m in model if isinstance(m, (nn.Conv2d, nn.Linear))]
     for layer, weight, bias in zip(layers, (W1, W2, W3.T, W4.T), (b1, b2, b3, b4)):
         layer.weight.copy_(weight)

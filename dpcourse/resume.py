@@ -9,7 +9,10 @@ the file, one that is truncated or corrupt or was written by a different command
 """
 from __future__ import annotations
 
+import copy
 import os
+import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-FORMAT = "dpcourse.train_ddp/1"
+FORMAT = "dpcourse.train_ddp/2"  # 2: records --dropout, and each rank's device generator
 
 
 def join_arguments(timeout: timedelta) -> dict[str, Any]:
@@ -28,42 +31,96 @@ def join_arguments(timeout: timedelta) -> dict[str, Any]:
     run) that outlives the workers. A restarted round joining it with env:// can read the dead
     round's addresses, still there, and fail with "Gloo connectFullMesh failed ... Connection
     refused" (pytorch/pytorch#167288). So every round joins that store as a client under a
-    prefix of its own: TORCHELASTIC_RESTART_COUNT, which all workers of a round share as long
-    as the set of nodes is fixed (--nnodes=N, not a range). Without torchrun's agent store,
-    env:// as before (rank 0 hosts a fresh store)."""
+    prefix of its own, which round_name gives. Without torchrun's agent store, env:// as
+    before (rank 0 hosts a fresh store)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {"init_method": "env://"}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"dpcourse/restart{restart}", store),
-            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    name = round_name(store, rank, world_size, timeout)
+    return {"store": dist.PrefixStore(f"dpcourse/round{name}", store),
+            "rank": rank, "world_size": world_size}
+
+
+def round_name(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """A name every worker of this round gets and no earlier round had: rank 0 counts the
+    rounds in the store, and answers each rank's question, asked under a fresh key of its own
+    (an answer an earlier round left cannot be under it), until every rank has heard it."""
+    if rank != 0:
+        question = uuid.uuid4().hex
+        store.set(f"dpcourse/ask/{rank}", question)
+        name = store.get(f"dpcourse/answer/{question}").decode()  # waits up to timeout
+        store.set(f"dpcourse/round{name}/heard/{rank}", "")
+        return name
+    name, waiting = str(store.add("dpcourse/rounds", 1)), set(range(1, world_size))
+    deadline = time.monotonic() + timeout.total_seconds()
+    while waiting:
+        for r in sorted(waiting):
+            if store.check([f"dpcourse/round{name}/heard/{r}"]):
+                waiting.remove(r)
+            elif store.check([f"dpcourse/ask/{r}"]):  # its latest question (maybe a dead one's)
+                store.set(f"dpcourse/answer/{store.get(f'dpcourse/ask/{r}').decode()}", name)
+        if waiting and time.monotonic() > deadline:
+            raise TimeoutError(f"rank(s) {sorted(waiting)} did not join round {name} of the "
+                               f"workers within {timeout} (their worker did not start?)")
+        time.sleep(0.01)
+    return name
 
 
 def save(path: Path, state: dict[str, Any]) -> None:
-    """Write state to path atomically: a complete file or none (a temporary file, flushed to
-    disk, then renamed over path)."""
+    """Write state to path atomically, as a checkpoint of this format."""
+    write_atomically(path, {"format": FORMAT, **state})
+
+
+def write_atomically(path: Path, value: Any) -> None:
+    """torch.save value to path: a complete file or none (a temporary file, flushed to disk,
+    then renamed over path)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        torch.save({"format": FORMAT, **state}, f)
+        torch.save(value, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def load(path: Path, device: torch.device) -> dict[str, Any]:
-    """The checkpoint at path, onto device; a clear error naming path if it is unreadable."""
+def load(path: Path) -> dict[str, Any]:
+    """The checkpoint at path, on the CPU (every rank's state is there: each rank moves only its
+    own part to its device); a clear error naming path if it is unreadable."""
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - truncated zip, bad pickle, ...: all one answer
         raise RuntimeError(
             f"checkpoint {path} is truncated or corrupt ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}). Nothing was loaded: restore "
             "a good copy, or delete it to start from step 0") from error
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    found = state.get("format") if isinstance(state, dict) else None
+    if found != FORMAT and str(found).startswith("dpcourse.train_ddp/"):
+        raise RuntimeError(f"checkpoint {path} has format {found}, written by another version of "
+                           f"train_ddp; this one reads {FORMAT} (it records --dropout and each "
+                           "rank's device generator): nothing was loaded. Resume it with the "
+                           "version that wrote it, or delete it to start from step 0")
+    if found != FORMAT:
         raise RuntimeError(f"checkpoint {path} was not written by python -m dpcourse.train_ddp "
                            f"(format {FORMAT}): nothing was loaded")
     return state
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The states of the generators a rank training on device draws from: the CPU's, and the
+    device's own (CUDA's, ...) unless it is the CPU."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        states[device.type] = torch.get_device_module(device).get_rng_state(device)
+    return states
+
+
+def set_rng_state(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore what rng_state(device) returned (a device's state only where it holds one: a
+    checkpoint from the CPU leaves a GPU's generator as seeded)."""
+    torch.set_rng_state(states["cpu"])
+    if device.type != "cpu" and device.type in states:
+        torch.get_device_module(device).set_rng_state(states[device.type], device)
 
 
 def check_same_command(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -78,11 +135,16 @@ def check_same_command(path: Path, saved: dict[str, Any], current: dict[str, Any
 
 
 def to_cpu(value: Any) -> Any:
-    """value with every tensor inside (dicts, lists, tuples) copied to the CPU."""
+    """value with every tensor inside (dicts, lists, tuples) copied to the CPU: detached, and
+    owning its memory (a slice saves its own elements only); containers keep their types."""
     if isinstance(value, torch.Tensor):
-        return value.cpu()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
+        copied = copy.copy(value)  # its type and attributes: a defaultdict's, state_dict's
+        copied.update((k, to_cpu(v)) for k, v in value.items())
+        return copied
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(to_cpu(v) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(to_cpu(v) for v in value)
     return value

@@ -60,7 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help="stop after this many optimizer steps in total (default: no limit)")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
-    p.add_argument("--seed", type=int, default=0, help="initial weights and shuffling")
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights and shuffling; rank r's dropout draws from (seed, r)")
+    p.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="LeNet: dropout P before each dense layer (default 0: none)")
     wrapper = p.add_mutually_exclusive_group()
     wrapper.add_argument("--scratch", dest="ddp", action="store_const", const="scratch",
                          help="dpcourse.ddp.ScratchDDP (default)")
@@ -76,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's rank (default 4)")
     p.add_argument("--diloco", type=int, default=None, metavar="H",
                    help="DiLoCo (chapter 11): H local SGD steps per rank between averaged "
-                        "outer steps, no DDP; a checkpoint is also a sync point")
+                        "outer steps, no DDP; a checkpoint syncs nothing: it keeps each "
+                        "rank's own parameters, and a resumed run goes on mid-round")
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9,
                    help="DiLoCo's outer Nesterov momentum (default 0.9; 0: none)")
@@ -93,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--fsdp reduce-scatters its gradients itself: no --comm-hook or --diloco")
     if args.comm_hook and args.diloco:
         p.error("--diloco averages parameters, not gradients: no --comm-hook with it")
+    if not 0 <= args.dropout < 1 or (args.dropout and args.model != "lenet"):
+        p.error(f"--dropout P needs 0 <= P < 1 and --model lenet, got {args.dropout}")
     if args.checkpoint_every is not None and (args.checkpoint is None or args.checkpoint_every < 1):
         p.error("--checkpoint-every N needs N >= 1 and --checkpoint PATH")
     return args
@@ -145,44 +151,55 @@ def load_train_data(size: int, source: str | None) -> Images:
     return data if first else fashion_mnist("train", size, chosen[0])
 
 
-def build_model(name: str, seed: int, device: torch.device, layers: bool = False) -> nn.Module:
-    """LeNet (scale 0.1, the course's CPU setting; as nn layers if layers) or the course's
-    ResNet-18, on device."""
+def build_model(name: str, seed: int, device: torch.device, layers: bool = False,
+                dropout: float = 0.0) -> nn.Module:
+    """LeNet (scale 0.1, the course's CPU setting; as nn layers if layers; dropout before its
+    dense layers) or the course's ResNet-18, on device."""
     if name == "lenet":
-        return (lenet_layers(seed) if layers else lenet_model(seed)).to(device)
+        return (lenet_layers if layers else lenet_model)(seed, dropout).to(device)
     return make_resnet18(device, seed)
 
 
 @dataclass
 class Training:
-    """The model, wrapped as the command says, its optimizer and its comm hook's state."""
+    """The model, wrapped as the command says, its optimizer, its device and its comm hook's
+    state."""
     model: nn.Module
     opt: Any
+    device: torch.device
     hook_state: PowerSGDState | None = None
 
 
 def build_training(args: argparse.Namespace, device: torch.device) -> Training:
     """The model, wrapped as args say (ScratchDDP, torch's DDP, ScratchFSDP, or none under
-    DiLoCo), with its comm hook, and its optimizer (SGD, inside DiLoCo under --diloco)."""
-    model = build_model(args.model, args.seed, device, layers=args.ddp == "fsdp")
+    DiLoCo), with its comm hook, and its optimizer (SGD, inside DiLoCo under --diloco); seeds
+    this rank's generators (dropout's) from (seed, rank), so that ranks draw apart."""
+    model = build_model(args.model, args.seed, device, layers=args.ddp == "fsdp",
+                        dropout=args.dropout)
     if args.ddp == "fsdp":
         model = ScratchFSDP(model)  # before the optimizer, which then holds the shards only
     elif args.diloco is None and args.ddp == "scratch":
         model = ScratchDDP(model)
-    elif args.diloco is None:
+    elif args.diloco is None:  # find_unused_parameters: torch then keeps its first bucket
+        # layout (without it, it rebuilds it after one step, and a restarted wrapper would
+        # reduce in another layout: with 3+ ranks, sums that round differently); it costs a
+        # walk of the autograd graph per forward, and torch warns once that nothing was unused
         model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=True)
     hook_state = PowerSGDState(args.powersgd_rank) if args.comm_hook == "powersgd" else None
     if args.comm_hook is not None:
         model.register_comm_hook(hook_state, powersgd_hook if hook_state else bf16_hook)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     if args.diloco is not None:
         opt = DiLoCo(model, opt, args.diloco, args.outer_lr, args.outer_momentum)
-    return Training(model, opt, hook_state)
+    torch.manual_seed(hash((args.seed, dist.get_rank())) % 2**63)  # every device's too
+    return Training(model, opt, device, hook_state)
 
 
-CHECKED = ("model", "train_size", "data", "batch_size", "lr", "seed", "ddp", "comm_hook",
-           "powersgd_rank", "diloco", "outer_lr", "outer_momentum")  # what shapes the run
+CHECKED = ("model", "train_size", "data", "batch_size", "lr", "seed", "dropout", "ddp",
+           "comm_hook", "powersgd_rank", "diloco", "outer_lr",
+           "outer_momentum")  # what shapes the run
 
 
 def training_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -193,12 +210,12 @@ def training_arguments(args: argparse.Namespace) -> dict[str, Any]:
 def rank_state(run: Training) -> dict[str, Any]:
     """What this rank alone holds that the next steps depend on, on the CPU: its optimizer
     state (a shard under FSDP), its hook's state, its parameters under DiLoCo (they differ
-    between syncs), and its random number generator."""
+    between syncs), and its random number generators (the CPU's and its device's)."""
     params = list(run.model.parameters())
     state = {"optimizer": run.opt.state_dict(),
              "hook": run.hook_state.state_dict(params) if run.hook_state else None,
              "model": run.model.state_dict() if isinstance(run.opt, DiLoCo) else None,
-             "rng": torch.get_rng_state()}
+             "rng": resume.rng_state(run.device)}
     return resume.to_cpu(state)
 
 
@@ -219,11 +236,11 @@ def save_training_state(path: Path, args: argparse.Namespace, run: Training, epo
     dist.barrier()  # nobody reads or overwrites it before it is complete
 
 
-def load_training_state(path: Path, args: argparse.Namespace, run: Training,
-                        device: torch.device) -> tuple[int, int]:
-    """Every rank loads path onto its own device and takes its own state from it; returns
-    (epoch, step) to resume from."""
-    state = resume.load(path, device)
+def load_training_state(path: Path, args: argparse.Namespace, run: Training) -> tuple[int, int]:
+    """Every rank reads path onto the CPU and moves only its own part to its device (the
+    weights, or its shard under FSDP; its optimizer's and hook's state); returns (epoch, step)
+    to resume from."""
+    state = resume.load(path)
     resume.check_same_command(path, state["args"], training_arguments(args))
     mine = state["ranks"][dist.get_rank()]
     if isinstance(run.model, ScratchFSDP):
@@ -233,7 +250,7 @@ def load_training_state(path: Path, args: argparse.Namespace, run: Training,
     run.opt.load_state_dict(mine["optimizer"])
     if run.hook_state is not None:
         run.hook_state.load_state_dict(mine["hook"], list(run.model.parameters()))
-    torch.set_rng_state(mine["rng"].cpu())
+    resume.set_rng_state(mine["rng"], run.device)
     say(f"Loaded {path}: resuming from epoch {state['epoch']}, step {state['step']}")
     return state["epoch"], state["step"]
 
@@ -256,13 +273,15 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     say(f"Data: {data.source}, {len(data):,} images; {args.batch_size} per process and step, "
         f"{args.batch_size * dist.get_world_size()} per global batch")
     sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
-    loader = DataLoader(data, args.batch_size, sampler=sampler,
-                        pin_memory=device.type == "cuda")
+    # a generator of its own: each iterator draws its base seed from it, not from the global
+    # generator, whose stream (dropout's) a resume restores and must not shift
+    loader = DataLoader(data, args.batch_size, sampler=sampler, pin_memory=device.type == "cuda",
+                        generator=torch.Generator())
     run = build_training(args, device)
     model, opt = run.model, run.opt
     epoch = step = 0
     if args.checkpoint is not None and args.checkpoint.exists():
-        epoch, step = load_training_state(args.checkpoint, args, run, device)
+        epoch, step = load_training_state(args.checkpoint, args, run)
     limit = args.steps if args.steps is not None else float("inf")
     total = min(limit, args.epochs * len(loader))
     bar = tqdm(total=max(total, step), initial=step,

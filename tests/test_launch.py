@@ -1,4 +1,5 @@
 """launch: values in rank order, clear errors for failing and hanging ranks, no process left."""
+import collections
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import workers
 from dpcourse.launch import LaunchTimeoutError, RankError, choose_backend, launch
+from dpcourse.resume import to_cpu
 
 try:
     import psutil
@@ -79,6 +82,43 @@ def test_two_launches_at_once_each_return_values_in_rank_order(capsys, own_tempd
         "rank 2 says a")
     assert children_left() == []
     assert launch_dirs() == set()
+
+
+def test_arguments_travel_by_value_each_rank_its_own_copy_of_only_the_elements_passed():
+    whole = torch.arange(4000.0).reshape(1000, 4)
+    alone, layer = torch.zeros(3), nn.Linear(4, 2)
+    weight = layer.weight.detach().clone()
+    sent = [alone, whole[:256], whole[:, 1], whole.t(), layer.weight]  # slices, a Parameter
+    seen = launch(workers.add_own_rank, sent, world_size=3, backend="gloo", timeout=120)
+    for rank, tensors in enumerate(seen):
+        for arg, got in zip(sent, tensors, strict=True):
+            assert torch.equal(got["value"], arg.detach() + rank + 1)  # its own copy
+            assert got["storage_bytes"] == arg.numel() * arg.element_size()  # not whole's
+            assert not got["shared"]
+    assert torch.equal(alone, torch.zeros(3)) and torch.equal(layer.weight, weight)
+    assert torch.equal(whole, torch.arange(4000.0).reshape(1000, 4))
+    assert not any(t.is_shared() for t in (alone, whole, layer.weight))
+
+
+def test_a_result_keeps_its_containers_and_each_tensor_owns_its_memory():
+    whole = torch.arange(10.0, requires_grad=True)
+    point = collections.namedtuple("Point", "x y")
+    state = nn.BatchNorm1d(2).state_dict()  # an OrderedDict with _metadata
+    value = {"state": state, "lists": collections.defaultdict(list, a=[whole[:2]]),
+             "point": point(whole[2:3], (whole[3:5],))}
+    back = to_cpu(value)
+    assert type(back["state"]) is type(state) and back["state"]._metadata == state._metadata
+    assert back["lists"].default_factory is list and type(back["point"]) is point
+    for got, arg in [(back["lists"]["a"][0], whole[:2]), (back["point"].x, whole[2:3]),
+                     (back["point"].y[0], whole[3:5])]:
+        assert torch.equal(got, arg.detach()) and not got.requires_grad
+        assert got.untyped_storage().nbytes() == arg.numel() * arg.element_size()
+
+
+def test_an_argument_pickle_cannot_send_gets_a_clear_error():
+    with pytest.raises(ValueError, match="cannot send the arguments of .*whoami"):
+        launch(workers.whoami, lambda: 1)
+    assert children_left() == []
 
 
 def test_a_raising_rank_is_named_with_its_traceback():

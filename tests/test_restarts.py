@@ -1,11 +1,13 @@
 """Training that survives: a worker killed with SIGKILL after the first checkpoint, torchrun
 --max-restarts=3 restarts the workers, and the run ends with the same parameters, bitwise,
 as the same command uninterrupted, in every mode train_ddp offers; a checkpoint from another
-command, or a truncated one, is refused with an error naming the file.
+command or version, or a truncated one, is refused with an error naming the file.
 
-Every run is LeNet on 2 CPU processes with gloo (bitwise equality holds there: the same
-operations on the same data in the same order; torch's DDP too, since 2 ranks add a + b =
-b + a whatever its buckets).
+Every run is LeNet with dropout 0.2 on 3 CPU processes with gloo: bitwise equality holds there
+only if every random draw is restored, and if the restarted wrappers reduce in the layout the
+uninterrupted ones did (with 3 ranks, another order of the sum rounds differently; 2 ranks add
+a + b = b + a). Each mode is two torchrun runs: the modes are combined (a comm hook on each DDP)
+to keep them few.
 """
 import subprocess
 from pathlib import Path
@@ -13,18 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpcourse import resume
+from dpcourse import resume, train_ddp
 from dpcourse.experiments import restarts
 
+WORLD = 3
 COMMON = ["--train-size", "1536", "--batch-size", "16", "--epochs", "2", "--lr", "0.05",
-          "--timeout", "30", "--checkpoint-every", "10"]
-MODES = {"scratch": ["--scratch"], "torch": ["--torch"], "fsdp": ["--fsdp"],
-         "powersgd": ["--scratch", "--comm-hook", "powersgd"], "diloco": ["--diloco", "7"]}
+          "--dropout", "0.2", "--timeout", "30", "--checkpoint-every", "10"]
+MODES = {"scratch, bf16": ["--scratch", "--comm-hook", "bf16"],
+         "torch, powersgd": ["--torch", "--comm-hook", "powersgd"],
+         "fsdp": ["--fsdp"], "diloco": ["--diloco", "7"]}
 
 
 def run(path: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(restarts.torchrun_command(path, *COMMON, *flags), capture_output=True,
-                          text=True, timeout=240, env=restarts.environment())
+    return subprocess.run(restarts.torchrun_command(path, *COMMON, *flags, nproc=WORLD),
+                          capture_output=True, text=True, timeout=240, env=restarts.environment())
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -33,9 +37,9 @@ def runs(request, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp(request.param)
     whole = run(folder / "whole.pt", *flags)
     assert whole.returncode == 0, whole.stdout + whole.stderr
-    killed = restarts.killed_run(folder / "killed.pt", *COMMON, *flags)
-    return {"mode": request.param, "whole": resume.load(folder / "whole.pt", torch.device("cpu")),
-            "killed": resume.load(folder / "killed.pt", torch.device("cpu")),
+    killed = restarts.killed_run(folder / "killed.pt", *COMMON, *flags, nproc=WORLD)
+    return {"mode": request.param, "whole": resume.load(folder / "whole.pt"),
+            "killed": resume.load(folder / "killed.pt"),
             "code": killed["exit_code"], "output": killed["output"]}
 
 
@@ -47,20 +51,75 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_like_the_uninterrupted_on
         assert torch.equal(runs["killed"]["model"][key], value), f"{runs['mode']}: {key}"
 
 
+def test_every_rank_draws_its_own_dropout_masks(runs):
+    states = [rank["rng"]["cpu"] for rank in runs["whole"]["ranks"]]
+    assert len(states) == WORLD
+    assert all(not torch.equal(a, b) for i, a in enumerate(states) for b in states[i + 1:])
+
+
+def test_a_checkpoint_syncs_nothing_diloco_keeps_each_rank_own_parameters(runs):
+    models = [rank["model"] for rank in runs["whole"]["ranks"]]
+    if runs["mode"] != "diloco":
+        assert models == [None] * WORLD  # the weights, the same on every rank, saved once
+    else:  # 64 steps, a sync every 7: the last checkpoint is one inner step into a round
+        assert all(not torch.equal(m["params.4"], models[0]["params.4"]) for m in models[1:])
+
+
 def test_a_restart_redoes_at_most_checkpoint_every_steps(runs):
-    resumed = [int(line.rsplit("step", 1)[1]) for line in runs["output"].splitlines()
-               if "resuming from epoch" in line]
+    resumed = restarts.resumed_steps(runs["output"])
     assert resumed and all(step % 10 == 0 and step >= 10 for step in resumed)
 
 
-def test_a_checkpoint_of_another_command_is_refused_naming_what_differs(tmp_path):
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """train_ddp.main in this process, as a world of one, on the offline data."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DPCOURSE_DATA", "synthetic")
+
+
+def test_a_checkpoint_of_another_command_is_refused_naming_what_differs(tmp_path, world_of_one):
     path = tmp_path / "ckpt.pt"
-    first = run(path, "--steps", "3")
-    assert first.returncode == 0, first.stderr
-    other = run(path, "--steps", "6", "--batch-size", "32")
-    assert other.returncode != 0
-    assert f"checkpoint {path} was written by a different command" in other.stdout + other.stderr
-    assert "batch_size 16 there, 32 here" in other.stdout + other.stderr
+    small = ["--train-size", "256", "--batch-size", "16", "--checkpoint", str(path)]
+    train_ddp.main([*small, "--steps", "3"])
+    with pytest.raises(RuntimeError, match=f"checkpoint {path} was written by a different "
+                                           "command .*batch_size 16 there, 32 here"):
+        train_ddp.main([*small, "--steps", "6", "--batch-size", "32"])
+    with pytest.raises(RuntimeError, match="dropout 0.0 there, 0.1 here"):
+        train_ddp.main([*small, "--steps", "6", "--dropout", "0.1"])
+
+
+def test_a_checkpoint_of_the_previous_format_is_refused_naming_both_formats(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.save({"format": "dpcourse.train_ddp/1", "args": {}, "model": {}}, path)
+    with pytest.raises(RuntimeError, match=f"checkpoint {path} has format dpcourse.train_ddp/1, "
+                                           ".* this one reads dpcourse.train_ddp/2"):
+        resume.load(path)
+
+
+def test_resume_reads_every_rank_state_onto_the_cpu_not_the_rank_device(tmp_path, world_of_one,
+                                                                        monkeypatch):
+    """The file holds every rank's state (all k optimizer shards): read onto a rank's GPU, all
+    of it would land there. "meta" stands in for that GPU: nothing may be read onto it."""
+    path, read_onto = tmp_path / "ckpt.pt", []
+    train_ddp.main(["--train-size", "64", "--fsdp", "--steps", "1", "--checkpoint", str(path)])
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        read_onto.append(kwargs.get("map_location"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    args = train_ddp.parse_args(["--train-size", "64", "--fsdp", "--checkpoint", str(path)])
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    try:
+        run = train_ddp.build_training(args, torch.device("cpu"))
+        run.device = torch.device("meta")
+        assert train_ddp.load_training_state(path, args, run) == (1, 1)  # epoch, step
+    finally:
+        torch.distributed.destroy_process_group()
+    assert read_onto == ["cpu"]
 
 
 def test_a_truncated_checkpoint_gives_an_error_naming_the_file(tmp_path):
@@ -68,11 +127,11 @@ def test_a_truncated_checkpoint_gives_an_error_naming_the_file(tmp_path):
     resume.save(path, {"step": 3, "model": {"w": torch.zeros(1000)}})
     path.write_bytes(path.read_bytes()[:1500])
     with pytest.raises(RuntimeError, match=f"checkpoint {path} is truncated or corrupt"):
-        resume.load(path, torch.device("cpu"))
+        resume.load(path)
 
 
 def test_a_file_that_is_no_train_ddp_checkpoint_is_refused(tmp_path):
     path = tmp_path / "ckpt.pt"
     torch.save({"model": {}}, path)
     with pytest.raises(RuntimeError, match="was not written by python -m dpcourse.train_ddp"):
-        resume.load(path, torch.device("cpu"))
+        resume.load(path)

@@ -13,10 +13,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from dpcourse import train_ddp
+from dpcourse import resume, train_ddp
 from dpcourse.data import synthetic_fashion
-from dpcourse.lenet import LeNet, init_lenet_params
+from dpcourse.lenet import LeNet, init_lenet_params, lenet_layers, lenet_model
 
 WORLD, SIZE, BATCH, LR, SEED = 2, 256, 32, 0.1, 0
 COMMON = ["--train-size", str(SIZE), "--batch-size", str(BATCH), "--lr", str(LR),
@@ -167,3 +168,74 @@ def test_communicating_less_trains_and_leaves_identical_replicas(flags, tmp_path
 def test_fsdp_refuses_a_comm_hook():
     with pytest.raises(SystemExit):
         train_ddp.parse_args(["--fsdp", "--comm-hook", "bf16"])
+
+
+def test_diloco_help_says_a_checkpoint_syncs_nothing(capsys):
+    with pytest.raises(SystemExit):
+        train_ddp.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "sync point" not in text and "a checkpoint syncs nothing" in text
+
+
+# --- dropout (--dropout P), and a resume that draws what the uninterrupted run draws ---
+
+def test_dropout_draws_as_torchs_dropout_layers_and_keeps_lenets_keys():
+    X = synthetic_fashion("train", 16).tensors[0]
+    plain = lenet_layers(0)
+    reference = nn.Sequential(*list(plain)[:7], nn.Dropout(0.3), plain[7], plain[8],
+                              nn.Dropout(0.3), plain[9])  # torch's layers, other keys
+    out = {}
+    for name, model in [("torch", reference), ("layers", lenet_layers(0, dropout=0.3)),
+                        ("model", lenet_model(0, dropout=0.3))]:
+        torch.manual_seed(1)
+        out[name] = model(X)
+    assert torch.equal(out["layers"], out["torch"])
+    torch.testing.assert_close(out["model"], out["torch"], rtol=1e-5, atol=1e-6)
+    assert (out["torch"] - plain(X)).abs().max() > 0.1  # the masks act
+    assert lenet_layers(0, dropout=0.3).state_dict().keys() == plain.state_dict().keys()
+    assert lenet_model(0, dropout=0.3).state_dict().keys() == lenet_model(0).state_dict().keys()
+    assert torch.equal(lenet_model(0, dropout=0.3).eval()(X), lenet_model(0)(X))
+
+
+@pytest.mark.parametrize("mode", ["--scratch", "--fsdp"])
+def test_a_resumed_run_with_dropout_ends_bitwise_like_the_uninterrupted_one(mode, tmp_path,
+                                                                            monkeypatch):
+    """A world of one (on a GPU where there is one: its generator is restored too); 3 steps,
+    then resumed to 10, crossing into epoch 1."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DPCOURSE_DATA", "synthetic")
+    paths = {name: str(tmp_path / f"{name}.pt") for name in ("whole", "plain", "resumed")}
+    dropout = [*COMMON, mode, "--dropout", "0.5"]
+    train_ddp.main([*dropout, "--steps", "10", "--checkpoint", paths["whole"]])
+    train_ddp.main([*COMMON, mode, "--steps", "10", "--checkpoint", paths["plain"]])
+    train_ddp.main([*dropout, "--steps", "3", "--checkpoint", paths["resumed"]])
+    train_ddp.main([*dropout, "--steps", "10", "--checkpoint", paths["resumed"]])
+    whole, plain, resumed = (load(paths[name]) for name in ("whole", "plain", "resumed"))
+    assert whole["step"] == resumed["step"] == 10
+    for key, value in whole["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+    assert any(not torch.equal(plain["model"][k], v) for k, v in whole["model"].items())
+
+
+def test_a_rank_saves_and_restores_its_device_generator(monkeypatch):
+    """rank_state keeps the generator of the rank's device (CUDA's, ...) beside the CPU's; a
+    stand-in device module holds it here."""
+    class Generators:
+        state = torch.tensor([7, 8, 9], dtype=torch.uint8)
+
+        def get_rng_state(self, device):
+            return self.state.clone()
+
+        def set_rng_state(self, state, device):
+            self.state = state.clone()
+
+    cuda, device_module = torch.device("cuda", 0), Generators()
+    monkeypatch.setattr(torch, "get_device_module", lambda device: device_module)
+    model = nn.Linear(2, 2)
+    run = train_ddp.Training(model, torch.optim.SGD(model.parameters(), lr=0.1), cuda)
+    saved = train_ddp.rank_state(run)["rng"]
+    assert torch.equal(saved["cpu"], torch.get_rng_state())
+    device_module.state = torch.zeros(3, dtype=torch.uint8)
+    resume.set_rng_state(saved, cuda)
+    assert device_module.state.tolist() == [7, 8, 9]

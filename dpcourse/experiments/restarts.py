@@ -9,6 +9,7 @@ Linux only (it finds the workers through /proc).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,11 +50,11 @@ def workers_of(pid: int) -> list[int]:
     return sorted(kids)
 
 
-def killed_run(path: Path, *flags: str, timeout: float = 240.0) -> dict[str, Any]:
-    """The command, its last worker SIGKILLed as soon as the first checkpoint exists:
-    {"exit_code", "output", "killed": the pid}."""
+def killed_run(path: Path, *flags: str, nproc: int = 2, timeout: float = 240.0) -> dict[str, Any]:
+    """The command on nproc workers, its last worker SIGKILLed as soon as the first checkpoint
+    exists: {"exit_code", "output", "killed": the pid}."""
     path.unlink(missing_ok=True)
-    proc = subprocess.Popen(torchrun_command(path, *flags), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(torchrun_command(path, *flags, nproc=nproc), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=environment())
     try:
         deadline = time.monotonic() + timeout
@@ -68,6 +69,11 @@ def killed_run(path: Path, *flags: str, timeout: float = 240.0) -> dict[str, Any
         proc.kill()  # (nothing left to kill when it ended)
         proc.wait()
     return {"exit_code": proc.returncode, "output": output, "killed": victims[-1]}
+
+
+def resumed_steps(output: str) -> list[int]:
+    """The steps a run's output says it resumed from (another rank's line may run into it)."""
+    return [int(step) for step in re.findall(r"resuming from epoch \d+, step (\d+)", output)]
 
 
 def restart_demo(folder: Path, *flags: str) -> dict[str, Any]:
@@ -91,9 +97,8 @@ def restart_demo(folder: Path, *flags: str) -> dict[str, Any]:
         raise RuntimeError(f"the uninterrupted run failed:\n{output[-4000:]}")
     story = [line.split("] ")[-1].split(" of binary")[0] for line in killed["output"].splitlines()
              if "exitcode: -9" in line or "Loaded" in line or line.startswith("Done")]
-    cpu = torch.device("cpu")
-    a, b = resume.load(whole, cpu), resume.load(folder / "restarted.pt", cpu)
+    a, b = resume.load(whole), resume.load(folder / "restarted.pt")
     return {"exit_code": killed["exit_code"], "story": story, "killed": killed["killed"],
-            "resumed_from": [int(line.rsplit("step", 1)[1]) for line in story if "Loaded" in line],
+            "resumed_from": resumed_steps(killed["output"]),
             "steps": (a["step"], b["step"]),
             "identical": all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])}
