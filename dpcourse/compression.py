@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .comm_hooks import allreduce_hook
 
 __all__ = ["allreduce_hook", "bf16_hook", "PowerSGDState", "powersgd_hook", "compressed_average",
-           "low_rank_averages", "summed", "chain"]
+           "low_rank_averages", "approximations", "summed", "chain"]
 
 
 def _done(value: Any) -> torch.futures.Future:
@@ -143,18 +143,22 @@ def low_rank_averages(state: PowerSGDState, params: list[torch.Tensor],
     def send_qs(sums: list[torch.Tensor]) -> torch.futures.Future[list[torch.Tensor]]:
         ps = [torch.linalg.qr(p).Q for p in sums]  # the sum's: scale does not matter to QR
         return summed([M.T @ p / world for M, p in zip(Ms, ps)]).then(
-            lambda arrived: approximations(ps, arrived.value()))
-
-    def approximations(ps: list[torch.Tensor], qs: list[torch.Tensor]) -> list[torch.Tensor]:
-        approxes = []
-        for param, M, p, q in zip(params, Ms, ps, qs):
-            state.bytes_sent += p.nbytes + q.nbytes
-            state.qs[param] = q  # warm start for the next step
-            approxes.append(p @ q.T)
-            if state.error_feedback:
-                state.errors[param] = M - approxes[-1]  # what was not sent, added next time
-        return approxes
+            lambda arrived: approximations(state, params, Ms, ps, arrived.value()))
     return chain(summed([M @ q for M, q in zip(Ms, qs)]), send_qs)
+
+
+def approximations(state: PowerSGDState, params: list[torch.Tensor], Ms: list[torch.Tensor],
+                   ps: list[torch.Tensor], qs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each matrix's P Q^T, once its Q's have arrived; counts the bytes of P and Q, keeps Q
+    (the next step's warm start) and, with error feedback, M - P Q^T (sent next step)."""
+    approxes = []
+    for param, M, p, q in zip(params, Ms, ps, qs):
+        state.bytes_sent += p.nbytes + q.nbytes
+        state.qs[param] = q  # warm start for the next step
+        approxes.append(p @ q.T)
+        if state.error_feedback:
+            state.errors[param] = M - approxes[-1]  # what was not sent, added next time
+    return approxes
 
 
 def summed(tensors: list[torch.Tensor]) -> torch.futures.Future[list[torch.Tensor]]:

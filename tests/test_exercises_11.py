@@ -52,6 +52,20 @@ def float32_bf16(group, bucket):
     return work.get_future().then(lambda fut: buffer)
 
 
+def uncopied_bf16(group, bucket):  # sends the average, but never writes it back
+    buffer = bucket.buffer()
+    half = buffer.div(dist.get_world_size(group)).to(torch.bfloat16)
+    work = dist.all_reduce(half, group=group, async_op=True)
+    return work.get_future().then(lambda fut: buffer)
+
+
+def divided_in_place_bf16(group, bucket):  # the buffer holds this rank's share only
+    buffer = bucket.buffer()
+    half = buffer.div_(dist.get_world_size(group)).to(torch.bfloat16)
+    work = dist.all_reduce(half, group=group, async_op=True)
+    return work.get_future().then(lambda fut: buffer)
+
+
 def blocking_bf16(group, bucket):  # right, but backward waits for the allreduce
     buffer = bucket.buffer()
     half = buffer.div(dist.get_world_size(group)).to(torch.bfloat16)
@@ -125,6 +139,9 @@ def test_the_rank_checks_say_what_is_wrong(tmp_path):
     path.write_text(MISTAKES)
     cases = {(check_bf16_hook, "summing_bf16"): "divide by the world size",
              (check_bf16_hook, "float32_bf16"): "cast to bfloat16 before sending",
+             (check_bf16_hook, "uncopied_bf16"): "write the sum .* back into the bucket's buffer",
+             (check_bf16_hook, "divided_in_place_bf16"): "this rank's own gradients, not the "
+             "average: write the sum",
              (check_bf16_hook, "blocking_bf16"): "waited for its all_reduce: pass async_op=True",
              (check_low_rank_average, "summing_low_rank"): "the ranks' sum",
              (check_low_rank_average, "blocking_low_rank"): "return a future of the approx",

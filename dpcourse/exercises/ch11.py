@@ -81,6 +81,10 @@ def check_bf16_hook(hook: Callable[[Any, GradBucket], torch.futures.Future]) -> 
         f"return the bucket's buffer, {numel} numbers")
     assert got.dtype == torch.float32, (
         f"the future holds {got.dtype}: cast the average back into the float32 buffer")
+    own = _rank_gradient(rank, numel)
+    assert not (torch.equal(got, own) or torch.equal(got, own / world)), (
+        "the future holds this rank's own gradients, not the average: write the sum that "
+        "arrived back into the bucket's buffer, buffer.copy_(fut.value()[0])")
     grads = [_rank_gradient(r, numel).double() for r in range(world)]
     exact = sum(grads) / world
     scale = sum(g.abs() for g in grads) / world

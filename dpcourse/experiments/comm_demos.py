@@ -203,8 +203,9 @@ LAN_LATENCY_S = 50e-6  # assumed: one TCP message between two machines on one Et
 LINKS_GBIT = (1, 10, 100)
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap: one allreduce per bucket
 # 1B parameters: 6 N T FLOPs per step (Kaplan et al. 2020, arXiv:2001.08361: forward 2 N T,
-# backward 4 N T) for T tokens per machine (8 sequences of 2,048), on one H100 SXM per machine
-# at 989 TFLOP/s dense bf16 (NVIDIA's datasheet) and 40% of it used (a typical MFU)
+# backward 4 N T) for T tokens per machine, assumed: one micro-batch of 8 sequences of 2,048
+# (TinyLlama-1.1B's length, arXiv:2401.02385; its steps were 8 times T a GPU), on one H100 SXM
+# per machine at 989 TFLOP/s dense bf16 (NVIDIA's datasheet) and 40% of it used (a typical MFU)
 ONE_BILLION = {"params": 10**9, "tokens_per_step": 8 * 2048, "flops_per_s": 0.4 * 989e12}
 
 
