@@ -26,13 +26,13 @@ FORMAT = "dpcourse.train_ddp/2"  # 2: records --dropout, and each rank's device 
 def join_arguments(timeout: timedelta) -> dict[str, Any]:
     """init_process_group's arguments for a worker started by torchrun.
 
-    torchrun's agent hosts a store (at MASTER_ADDR:MASTER_PORT: on a single node the agent
-    itself, on several nodes the store of the rendezvous' host, which lives as long as the
-    run) that outlives the workers. A restarted round joining it with env:// can read the dead
+    torchrun's agents share a store (at MASTER_ADDR:MASTER_PORT, hosted by the agent the
+    rendezvous numbered 0: on a single node, the agent itself) that outlives the workers, as
+    long as that agent runs. A restarted round joining it with env:// can read the dead
     round's addresses, still there, and fail with "Gloo connectFullMesh failed ... Connection
     refused" (pytorch/pytorch#167288). So every round joins that store as a client under a
-    prefix of its own, which round_name gives. Without torchrun's agent store, env:// as
-    before (rank 0 hosts a fresh store)."""
+    prefix of its own, which round_name gives. Without the agents' store (launch, or
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), env://: rank 0 hosts a fresh store each round."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {"init_method": "env://"}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),

@@ -1,0 +1,147 @@
+"""torchrun across nodes, on this machine: agents started one by one stand in for nodes
+(tests/multinode.py), as README's multi-node commands start them.
+
+- 2 nodes x 2 processes (c10d rendezvous) and 2 x 1 (README's static form, --node_rank) train
+  to the end with the parameters of torchrun --standalone at the same world size, bitwise.
+- A worker SIGKILLed on one node, while the other node's worker is stopped (SIGSTOP, as a
+  survivor blocked in an nccl collective): that node's agent restarts its worker as a
+  membership change, which its TORCHELASTIC_RESTART_COUNT does not count. Every node restarts
+  once, with --max-restarts=1 (a failed re-join would need a second), and the run ends as
+  the uninterrupted one, bitwise.
+- A node lost whole, with a fixed --nnodes=2: the other node's worker fails naming the lost
+  peer, its agent gives up when join_timeout ends, and the last checkpoint is intact.
+"""
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dpcourse import resume
+from multinode import Cluster
+
+FLAGS = ["--train-size", "1024", "--batch-size", "16", "--lr", "0.05", "--timeout", "60",
+         "--checkpoint-every", "8"]  # 1024 / (16 x 2 ranks): 32 steps, a checkpoint every 8
+JOIN_TIMEOUT = 30  # seconds
+REFERENCES = [(2, "--scratch"), (4, "--scratch"), (2, "--fsdp")]  # (processes, mode)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final checkpoint of train_ddp with FLAGS and a mode under torchrun --standalone on
+    nproc workers, by (nproc, mode): every run REFERENCES lists starts at once, in the
+    background, as the first test needs one, and is ended with the module."""
+    runs = {}
+    try:
+        for nproc, mode in REFERENCES:
+            folder = tmp_path_factory.mktemp(f"standalone-{nproc}")
+            runs[nproc, mode] = Cluster(folder, 1, nproc, [*FLAGS, "--checkpoint",
+                                                           str(folder / "ckpt.pt"), mode],
+                                        rendezvous="standalone").start()
+
+        def final(nproc: int, mode: str) -> dict:
+            assert runs[nproc, mode].wait(300) == [0], runs[nproc, mode].logs()
+            return final_state(runs[nproc, mode].folder / "ckpt.pt")
+        yield final
+    finally:
+        for run in runs.values():
+            run.close()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Start a Cluster running train_ddp with FLAGS and flags, checkpointing to
+    tmp_path/ckpt.pt; every process it started is ended when the test ends, pass or fail."""
+    started = []
+
+    def start(nnodes: int, nproc: int, *flags: str, **options) -> Cluster:
+        started.append(Cluster(tmp_path, nnodes, nproc,
+                               [*FLAGS, "--checkpoint", str(tmp_path / "ckpt.pt"), *flags],
+                               **options))
+        return started[-1].start()
+    yield start
+    for each in started:
+        each.close()
+
+
+def final_state(path: Path) -> dict:
+    """The checkpoint train_ddp wrote at path."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_parameters(state: dict, reference: dict) -> None:
+    assert state["step"] == reference["step"]
+    assert state["model"].keys() == reference["model"].keys()
+    for key, value in reference["model"].items():
+        assert torch.equal(state["model"][key], value), key
+
+
+@pytest.mark.parametrize("rendezvous, nproc", [("c10d", 2), ("static", 1)])
+def test_two_nodes_end_bitwise_as_one_node_with_as_many_processes(cluster, uninterrupted,
+                                                                   rendezvous, nproc, tmp_path):
+    nodes = cluster(2, nproc, "--scratch", rendezvous=rendezvous)
+    assert nodes.wait(300) == [0, 0], nodes.logs()
+    state = final_state(tmp_path / "ckpt.pt")
+    assert len(state["ranks"]) == 2 * nproc  # one world over both nodes
+    assert_same_parameters(state, uninterrupted(2 * nproc, "--scratch"))
+
+
+@pytest.mark.parametrize("mode, victim", [("--scratch", 1), ("--fsdp", 0)])
+def test_a_worker_killed_on_one_node_restarts_every_node_once_and_ends_as_uninterrupted(
+        cluster, uninterrupted, mode, victim, tmp_path):
+    nodes, survivor = cluster(2, 1, mode, max_restarts=1), 1 - victim
+    nodes.wait_until((tmp_path / "ckpt.pt").exists, 300, "the first checkpoint")
+    [stopped], [killed] = nodes.workers(survivor), nodes.workers(victim)
+    stopped.suspend()  # blocked, as in an nccl collective: its agent sees it healthy
+    killed.kill()
+    nodes.wait_until(lambda: "will restart worker group" in nodes.log(survivor), 120,
+                     "the survivor's agent to restart its worker")
+    stopped.resume()  # (it then ends on the SIGTERM its agent sent)
+    assert nodes.wait(300) == [0, 0], nodes.logs()
+    logs = [nodes.log(victim), nodes.log(survivor)]
+    assert "Worker group FAILED. 1/1 attempts left" in logs[0]
+    assert re.search(r"Detected 1 new nodes from group_rank=\d; will restart", logs[1])
+    for log in logs:  # one restart round: the first rendezvous, and one more
+        assert log.count("Rendezvous complete for workers") == 2, nodes.logs()
+    assert "".join(logs).count(": resuming from epoch") == 1
+    assert_same_parameters(final_state(tmp_path / "ckpt.pt"), uninterrupted(2, mode))
+
+
+def test_a_node_lost_whole_stops_the_other_naming_the_peer_and_keeps_the_checkpoint(cluster,
+                                                                                     tmp_path):
+    nodes = cluster(2, 1, "--scratch", max_restarts=1, rdzv_conf=f"join_timeout={JOIN_TIMEOUT}")
+    nodes.wait_until((tmp_path / "ckpt.pt").exists, 300, "the first checkpoint")
+    nodes.kill_node(1)  # its agent and its worker: the rendezvous' store lives on node 0
+    [code] = nodes.wait(JOIN_TIMEOUT + 60)[:1]  # its worker fails at once, then join_timeout
+    log = nodes.log(0)
+    assert code != 0, log[-3000:]
+    assert re.search(r"\[127\.0\.0\.1\]:\d+: Connection reset by peer"  # gloo, naming the
+                     r"|Connection closed by peer \[127\.0\.0\.1\]:\d+", log), log  # peer's address
+    assert "Worker group FAILED. 1/1 attempts left" in log
+    assert "RendezvousTimeoutError" in log  # node 1 never joined the next round
+    state = resume.load(tmp_path / "ckpt.pt")
+    assert state["step"] in (8, 16, 24)
+
+
+def test_every_rank_of_a_round_gets_one_new_name_whatever_a_dead_round_left_in_the_store():
+    """round_name on 3 ranks (threads, each a client of one store): two rounds, and between
+    them a rank 1 that asked and died unanswered (its question is still in the store)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+
+    def rank(r: int, delay: float = 0.0, timeout: float = 60.0) -> str:
+        time.sleep(delay)
+        store = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        return resume.round_name(store, r, 3, timedelta(seconds=timeout))
+
+    with ThreadPoolExecutor(3) as pool:
+        first = list(pool.map(rank, range(3)))
+        with pytest.raises(dist.DistStoreError, match="dpcourse/answer/"):
+            rank(1, timeout=0.5)  # no rank 0 answers it: its worker dies
+        second = list(pool.map(rank, range(3), [0, 0.5, 0]))  # rank 0 first answers the
+    assert first == ["1"] * 3  # dead question, then rank 1's own when it comes
+    assert second == ["2"] * 3
