@@ -111,15 +111,15 @@ class ScratchDDP(nn.Module):
             raise RuntimeError("ScratchDDP needs the default process group: build it in a "
                                "function run by dpcourse.launch.launch")
         self.module, self.world = module, dist.get_world_size()
-        self.broadcast_buffers = broadcast_buffers  # rank 0's, before each synchronised step
+        self.broadcast_buffers = broadcast_buffers  # rank 0's, as torch (see forward)
         self.require_backward_grad_sync = True  # False inside no_sync()
         params = [p for p in module.parameters() if p.requires_grad]  # tied ones once
         self.buckets = [Bucket(ps) for ps in make_buckets(params, bucket_cap_mb)]
         self._where = {p: i for i, b in enumerate(self.buckets) for p in b.params}
         self._state: Any = None  # the comm hook and its state: the plain allreduce by default
         self._hook: Hook = allreduce_hook
-        self._hook_registered = False
-        self._syncing = False  # whether the current forward's backward synchronises
+        self._hook_registered, self._syncing = False, False  # _syncing: this forward's backward
+        self._buffers_behind = True  # rank 0's buffers due: first forward, or after a synced one
         self.hook_calls = 0  # buckets handed to the comm hook since construction
         self._reset()  # no bucket ready or launched yet
         broadcast_parameters(module)
@@ -131,11 +131,12 @@ class ScratchDDP(nn.Module):
         without gradients (an evaluation) leaves the pending backward's state alone."""
         if not torch.is_grad_enabled():  # as torch: no backward follows, nothing to prepare
             return self.module(*args, **kwargs)
-        self._syncing = self.require_backward_grad_sync and self.world > 1
-        if self.broadcast_buffers and self._syncing:
-            with torch.no_grad():
+        if self.broadcast_buffers and self._buffers_behind and self.world > 1:
+            with torch.no_grad():  # as torch: when the last training forward synchronised
                 for b in self.module.buffers():
                     dist.broadcast(b, src=0)
+        self._syncing = self.require_backward_grad_sync and self.world > 1
+        self._buffers_behind = self._syncing
         self._reset()
         return self.module(*args, **kwargs)
 

@@ -186,8 +186,8 @@ class ScratchFSDP(nn.Module):
         self.timeline = Timeline()  # what ran when, the bytes sent: for figures and tests
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module (frozen parameters in compute_dtype too); autograd keeps notes
-        instead of the gathered parameters."""
+        """Run the module (frozen parameters and the inputs in compute_dtype too); autograd
+        keeps notes instead of the gathered parameters."""
         if self._closed:
             raise RuntimeError("ScratchFSDP: this wrapper is closed (close() or the end of its "
                                "with block): wrap the module in a new one to go on")
@@ -196,6 +196,8 @@ class ScratchFSDP(nn.Module):
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 frozen = _frozen_in(self.module, self.compute_dtype)
+                if self.compute_dtype is not None:  # as FSDP2: the inputs, for the root's use
+                    args, kwargs = (_cast(a, self.compute_dtype) for a in (args, kwargs))
                 out = torch.func.functional_call(self.module, frozen, args, kwargs)
         finally:
             self._in_forward = False

@@ -58,9 +58,11 @@ def tiny_net(seed: int) -> nn.Module:
 
 
 def frozen_net(seed: int) -> nn.Module:
-    """small_net with a frozen bias and a frozen layer."""
+    """small_net with a frozen bias and two frozen layers, the first and the last (both in the
+    root unit: the first sees the wrapper's own inputs)."""
     net = small_net(seed)
     net[4].bias.requires_grad_(False)
+    net[0].requires_grad_(False)
     net[6].requires_grad_(False)
     return net
 

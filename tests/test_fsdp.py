@@ -77,7 +77,7 @@ def test_between_steps_a_rank_holds_only_its_shard_of_each_unit(trained, world, 
         assert all(shard == math.ceil(n / world) for n, shard in held["units"])
         assert not any(held["full_alive"]) and held["placeholders"]
         assert held["state_numels"] == sorted(2 * held["shard_numels"])  # Adam's two moments
-    frozen = {"frozen": 16 + 16 * 10 + 10, "buffers": 2}  # whole on every rank
+    frozen = {"frozen": 4 * 9 + 4 + 16 + 16 * 10 + 10, "buffers": 2}  # whole on every rank
     assert trained[world][0]["held"][name]["stored_full"] == frozen.get(name, 0)
 
 
