@@ -170,7 +170,9 @@ def start_context() -> mp.context.BaseContext:
     if not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # preload only: never stale code
+    # torch's own modules only, never the course's (stale code); torch._dynamo is what an
+    # optimizer's first step imports: 1.1 s a rank, here, if each rank imported it again
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     mp.forkserver.ensure_running()  # outside _child_environment: OMP_NUM_THREADS as it is here
     return ctx
 
