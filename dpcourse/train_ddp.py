@@ -8,6 +8,8 @@ one GPU per process, else gloo on the CPU), trains its share of every global bat
 rank keeps 1/k of the parameters), and checks at the end that every replica holds the same
 parameters. Without torchrun (``python -m dpcourse.train_ddp``) it runs
 as one process of a world of size 1: the same code path, handy for debugging and as a reference.
+With ``--global-batch-size G`` the global batches are the same for every world size k (each
+rank takes G/k), and a checkpoint resumes on another number of processes (elastic torchrun).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from .concise import make_resnet18
 from .data import SOURCES, Images, fashion_mnist, resolve_source
 from .compression import PowerSGDState, bf16_hook, powersgd_hook
 from .ddp import ScratchDDP
-from .fsdp import ScratchFSDP
+from .fsdp import ScratchFSDP, flat_shard
 from . import resume
 from .launch import exit_without_shutdown
 from .lenet import lenet_layers, lenet_model
@@ -51,15 +53,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-size", type=int, default=4096, help="training images (default 4096)")
     p.add_argument("--data", choices=SOURCES, default=None,
                    help="dataset (default: $DPCOURSE_DATA, else auto)")
-    p.add_argument("--batch-size", type=int, default=64,
+    p.add_argument("--batch-size", type=int, default=None,
                    help="images PER PROCESS in each step; the global batch is world size times "
                         "this (default 64)")
+    p.add_argument("--global-batch-size", type=int, default=None, metavar="G",
+                   help="images per step over ALL processes, whatever their number k (each "
+                        "takes G/k; k must divide G): the same global batches for every k, so "
+                        "a checkpoint resumes at another world size (elastic torchrun)")
     p.add_argument("--epochs", type=int, default=1,
                    help="epochs in total (default 1); training ends at --epochs or --steps, "
                         "whichever comes first")
     p.add_argument("--steps", type=int, default=None,
                    help="stop after this many optimizer steps in total (default: no limit)")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0: none)")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="the parameters' and images' dtype (default float32)")
     p.add_argument("--seed", type=int, default=0,
                    help="initial weights and shuffling; rank r's dropout draws from (seed, r)")
     p.add_argument("--dropout", type=float, default=0.0, metavar="P",
@@ -101,6 +110,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--dropout P needs 0 <= P < 1 and --model lenet, got {args.dropout}")
     if args.checkpoint_every is not None and (args.checkpoint is None or args.checkpoint_every < 1):
         p.error("--checkpoint-every N needs N >= 1 and --checkpoint PATH")
+    if args.global_batch_size is not None and args.batch_size is not None:
+        p.error("--batch-size (per process) and --global-batch-size (over all processes) both "
+                "given: give one")
+    if (args.global_batch_size or 1) < 1 or (args.batch_size or 1) < 1 or args.momentum < 0:
+        p.error("--batch-size and --global-batch-size need at least 1, --momentum at least 0")
+    if args.global_batch_size is None and args.batch_size is None:
+        args.batch_size = 64
     return args
 
 
@@ -152,12 +168,41 @@ def load_train_data(size: int, source: str | None) -> Images:
 
 
 def build_model(name: str, seed: int, device: torch.device, layers: bool = False,
-                dropout: float = 0.0) -> nn.Module:
+                dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """LeNet (scale 0.1, the course's CPU setting; as nn layers if layers; dropout before its
-    dense layers) or the course's ResNet-18, on device."""
+    dense layers) or the course's ResNet-18, on device, in dtype."""
     if name == "lenet":
-        return (lenet_layers if layers else lenet_model)(seed, dropout).to(device)
-    return make_resnet18(device, seed)
+        return (lenet_layers if layers else lenet_model)(seed, dropout).to(device, dtype)
+    return make_resnet18(device, seed).to(dtype=dtype)
+
+
+class GlobalBatchSampler:
+    """The same global batches of G images for every world size k (--global-batch-size): in
+    epoch e, randperm(n) drawn from seed + e, cut into n // G global batches (the tail dropped),
+    of which rank r takes the r-th of k contiguous slices. So the step alone is the position in
+    the data, whatever k."""
+
+    def __init__(self, n: int, global_batch: int, rank: int, world: int, seed: int) -> None:
+        if global_batch % world or global_batch > n:
+            allowed = [k for k in range(1, global_batch + 1) if global_batch % k == 0]
+            raise ValueError(f"--global-batch-size {global_batch} on {world} processes: the "
+                             f"number of processes k must divide it (it allows k in {allowed}), "
+                             f"and it may be at most --train-size {n}")
+        self.n, self.global_batch, self.seed, self.epoch = n, global_batch, seed, 0
+        self.share = global_batch // world
+        self.first = rank * self.share
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n // self.global_batch
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(
+            self.seed + self.epoch)).tolist()
+        for start in range(0, len(self) * self.global_batch, self.global_batch):
+            yield order[start + self.first:start + self.first + self.share]
 
 
 @dataclass
@@ -175,7 +220,7 @@ def build_training(args: argparse.Namespace, device: torch.device) -> Training:
     DiLoCo), with its comm hook, and its optimizer (SGD, inside DiLoCo under --diloco); seeds
     this rank's generators (dropout's) from (seed, rank), so that ranks draw apart."""
     model = build_model(args.model, args.seed, device, layers=args.ddp == "fsdp",
-                        dropout=args.dropout)
+                        dropout=args.dropout, dtype=getattr(torch, args.dtype))
     if args.ddp == "fsdp":
         model = ScratchFSDP(model)  # before the optimizer, which then holds the shards only
     elif args.diloco is None and args.ddp == "scratch":
@@ -190,21 +235,25 @@ def build_training(args: argparse.Namespace, device: torch.device) -> Training:
     hook_state = PowerSGDState(args.powersgd_rank) if args.comm_hook == "powersgd" else None
     if args.comm_hook is not None:
         model.register_comm_hook(hook_state, powersgd_hook if hook_state else bf16_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     if args.diloco is not None:
         opt = DiLoCo(model, opt, args.diloco, args.outer_lr, args.outer_momentum)
     torch.manual_seed(hash((args.seed, dist.get_rank())) % 2**63)  # every device's too
     return Training(model, opt, device, hook_state)
 
 
-CHECKED = ("model", "train_size", "data", "batch_size", "lr", "seed", "dropout", "ddp",
-           "comm_hook", "powersgd_rank", "diloco", "outer_lr",
+CHECKED = ("model", "train_size", "data", "batch_size", "global_batch_size", "lr", "momentum",
+           "dtype", "seed", "dropout", "ddp", "comm_hook", "powersgd_rank", "diloco", "outer_lr",
            "outer_momentum")  # what shapes the run
 
 
 def training_arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """The arguments a checkpoint must have been written with to be resumed here."""
-    return {**{k: getattr(args, k) for k in CHECKED}, "world_size": dist.get_world_size()}
+    """The arguments a checkpoint must have been written with to be resumed here: the world
+    size too, unless --global-batch-size fixes the global batches whatever it is."""
+    checked = {k: getattr(args, k) for k in CHECKED}
+    if args.global_batch_size is None:
+        checked["world_size"] = dist.get_world_size()
+    return checked
 
 
 def rank_state(run: Training) -> dict[str, Any]:
@@ -242,7 +291,10 @@ def load_training_state(path: Path, args: argparse.Namespace, run: Training) -> 
     to resume from."""
     state = resume.load(path)
     resume.check_same_command(path, state["args"], training_arguments(args))
-    mine = state["ranks"][dist.get_rank()]
+    if len(state["ranks"]) == dist.get_world_size():
+        mine = state["ranks"][dist.get_rank()]
+    else:
+        mine = state_at_new_world_size(path, state, run)
     if isinstance(run.model, ScratchFSDP):
         run.model.load_full_state_dict(state["model"])
     else:
@@ -250,14 +302,73 @@ def load_training_state(path: Path, args: argparse.Namespace, run: Training) -> 
     run.opt.load_state_dict(mine["optimizer"])
     if run.hook_state is not None:
         run.hook_state.load_state_dict(mine["hook"], list(run.model.parameters()))
-    resume.set_rng_state(mine["rng"], run.device)
-    say(f"Loaded {path}: resuming from epoch {state['epoch']}, step {state['step']}")
+    if mine["rng"] is not None:
+        resume.set_rng_state(mine["rng"], run.device)
+    else:  # a new world: nothing to restore, a seed of this rank's own, the same on a rerun
+        torch.manual_seed(hash((args.seed, dist.get_rank(), state["step"])) % 2**63)
+    say(f"Loaded {path}: resuming from epoch {state['epoch']}, step {state['step']}"
+        + (f" (written by {len(state['ranks'])} processes)" if mine["rng"] is None else ""))
     return state["epoch"], state["step"]
+
+
+def state_at_new_world_size(path: Path, state: dict[str, Any], run: Training) -> dict[str, Any]:
+    """This rank's state from a checkpoint written by another number of ranks (the same
+    --global-batch-size): FSDP's optimizer shards re-divided, DDP's optimizer state (the same on
+    every rank: checked) rank 0's, no random state. Refused if it holds state each rank owns."""
+    ranks, world, held = state["ranks"], dist.get_world_size(), len(state["ranks"])
+    owned = [what for what, there in (
+        ("PowerSGD's error feedback (--comm-hook powersgd)", ranks[0]["hook"] is not None),
+        ("DiLoCo's parameters, one set per rank (--diloco)", ranks[0]["model"] is not None),
+        ("each rank's dropout masks (--dropout)", state["args"]["dropout"] > 0)) if there]
+    if owned:
+        raise RuntimeError(f"checkpoint {path} was written by {held} processes and holds state "
+                           f"each of them owns: {'; '.join(owned)}. It resumes on {held} "
+                           f"processes only, not {world}")
+    if isinstance(run.model, ScratchFSDP):
+        numels = [unit.numel for unit in run.model.units]
+        optimizer = redivided_optimizer([r["optimizer"] for r in ranks], numels,
+                                        dist.get_rank(), world)
+    else:
+        optimizer = ranks[0]["optimizer"]
+        differ = [r for r, mine in enumerate(ranks) if not identical(mine["optimizer"], optimizer)]
+        if differ:
+            raise RuntimeError(f"checkpoint {path}: the optimizer state of rank(s) {differ} "
+                               "differs from rank 0's, which data parallelism keeps the same "
+                               "on every rank; it cannot be resumed at another world size")
+    return {"optimizer": optimizer, "hook": None, "model": None, "rng": None}
+
+
+def redivided_optimizer(states: list[dict[str, Any]], numels: list[int], rank: int,
+                        world: int) -> dict[str, Any]:
+    """Rank's optimizer state among world ranks from the per-shard states (parameter i: a flat
+    shard of a unit of numels[i] elements) that the checkpoint's ranks held: each flat state
+    tensor gathered whole, its padding stripped, re-padded and cut as the parameters are."""
+    def redivided(i: int, key: str, value: Any) -> Any:
+        if not (isinstance(value, torch.Tensor) and value.dim() == 1):
+            return value  # a count or a scalar, the same on every rank
+        whole = torch.cat([state["state"][i][key] for state in states])[:numels[i]]
+        return flat_shard(whole, rank, world)
+    return {"state": {i: {key: redivided(i, key, value) for key, value in entries.items()}
+                      for i, entries in states[0]["state"].items()},
+            "param_groups": states[0]["param_groups"]}
+
+
+def identical(a: Any, b: Any) -> bool:
+    """Whether a and b (tensors in dicts, lists, tuples) are equal, tensors bitwise."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape \
+            and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            identical(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(identical, a, b))
+    return a == b
 
 
 def check_replicas_agree(model: nn.Module) -> None:
     """Raise unless every rank holds exactly rank 0's parameters."""
-    mine = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    mine = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     rank0 = mine.clone()
     dist.broadcast(rank0, src=0)
     gap = (mine - rank0).abs().max()
@@ -269,14 +380,21 @@ def check_replicas_agree(model: nn.Module) -> None:
 
 def train(args: argparse.Namespace, device: torch.device) -> None:
     """Train, checkpoint, print one summary line and check the replicas."""
-    data = load_train_data(args.train_size, args.data)
-    say(f"Data: {data.source}, {len(data):,} images; {args.batch_size} per process and step, "
-        f"{args.batch_size * dist.get_world_size()} per global batch")
-    sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
+    data, world = load_train_data(args.train_size, args.data), dist.get_world_size()
     # a generator of its own: each iterator draws its base seed from it, not from the global
     # generator, whose stream (dropout's) a resume restores and must not shift
-    loader = DataLoader(data, args.batch_size, sampler=sampler, pin_memory=device.type == "cuda",
-                        generator=torch.Generator())
+    loading = {"pin_memory": device.type == "cuda", "generator": torch.Generator()}
+    if args.global_batch_size is None:
+        sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
+        loader = DataLoader(data, args.batch_size, sampler=sampler, **loading)
+    else:
+        sampler = GlobalBatchSampler(len(data), args.global_batch_size, dist.get_rank(), world,
+                                     args.seed)
+        loader = DataLoader(data, batch_sampler=sampler, **loading)
+    share = args.batch_size or args.global_batch_size // world
+    say(f"Data: {data.source}, {len(data):,} images; {share} per process and step, "
+        f"{share * world} per global batch")
+    dtype = getattr(torch, args.dtype)
     run = build_training(args, device)
     model, opt = run.model, run.opt
     epoch = step = 0
@@ -295,7 +413,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         for X, y in islice(loader, max(0, step - epoch * len(loader)), None):  # skip done ones
             if step >= limit:
                 break
-            X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            X, y = X.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(X), y)  # this rank's mean; averaging the gradients
             # over ranks then gives the step of the global batch's mean loss
             opt.zero_grad(set_to_none=True)
@@ -315,7 +433,6 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     seconds = time.perf_counter() - start
     summary = torch.tensor([float(images), loss.item()], device=device)
     dist.all_reduce(summary)
-    world = dist.get_world_size()
     if args.ddp == "fsdp":
         held = f"each rank holds 1/{world} of the parameters"
     else:

@@ -1,0 +1,255 @@
+"""Elastic worlds: with --global-batch-size G the global batches are the same for every world
+size k, so a checkpoint written by k processes resumes on k' (FSDP's momentum shards
+re-divided, DDP's replicated state taken once) and the run ends as an uninterrupted one: in
+float64 within 1e-12 (the ranks' sums round differently for each k; float32 drifts by far more
+over many steps, so its gap is printed, not asserted). State each rank owns (PowerSGD's error
+feedback, DiLoCo's parameters, dropout masks) is refused at another world size. Under
+torchrun --nnodes=1:2, the survivor of a node killed whole re-forms a world of one, resumes and
+goes on, as one uninterrupted run.
+"""
+import os
+import subprocess
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from dpcourse import resume, train_ddp
+from dpcourse.experiments import restarts
+from dpcourse.fsdp import flat_shard, padded_numel
+from multinode import Cluster, environment
+
+G = 32
+# 256 images, G = 32: 8 steps per epoch; legs 2 ranks to step 5, 1 rank to 11 (into epoch 1),
+# 2 ranks to 16
+LEGS = [(2, 5), (1, 11), (2, 16)]
+COMMON = ["--train-size", "256", "--global-batch-size", str(G), "--epochs", "2", "--lr", "0.05",
+          "--momentum", "0.9", "--timeout", "60"]
+
+
+def in_one_process(*argv: str) -> None:
+    """train_ddp.main here, as a world of one, on the offline data."""
+    alone = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    with mock.patch.dict(os.environ, {**alone, "DPCOURSE_DATA": "synthetic"}, clear=True):
+        train_ddp.main(list(argv))
+
+
+def torchrun(nproc: int, path: Path, *flags: str) -> str:
+    """train_ddp under torchrun --standalone on nproc processes; its output."""
+    done = subprocess.run(restarts.torchrun_command(path, *flags, nproc=nproc, max_restarts=0),
+                          capture_output=True, text=True, timeout=240, env=environment())
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout + done.stderr
+
+
+def largest_gap(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# --- the same global batches for every world size ---
+
+@pytest.mark.parametrize("n", [100, 96])
+def test_every_world_size_takes_the_same_global_batches_the_tail_dropped(n):
+    global_batch = 12
+    samplers = {k: [train_ddp.GlobalBatchSampler(n, global_batch, r, k, seed=3)
+                    for r in range(k)] for k in (1, 2, 3, 4)}
+    for epoch in (0, 1):
+        batches = {}
+        for k, ranks in samplers.items():
+            for sampler in ranks:
+                sampler.set_epoch(epoch)
+            shares = [list(sampler) for sampler in ranks]
+            assert all(len(share) == n // global_batch for share in shares)
+            assert all(len(b) == global_batch // k for share in shares for b in share)
+            batches[k] = [sum(step, []) for step in zip(*shares)]  # rank order: the whole batch
+        assert batches[1] == batches[2] == batches[3] == batches[4]
+        used = sum(batches[1], [])
+        assert len(set(used)) == len(used) == n // global_batch * global_batch
+        if epoch == 0:
+            first = batches[1]
+    assert batches[1] != first  # each epoch shuffles anew
+
+
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_naming_the_allowed():
+    with pytest.raises(ValueError, match=r"--global-batch-size 12 on 5 processes.*"
+                                         r"allows k in \[1, 2, 3, 4, 6, 12\]"):
+        train_ddp.GlobalBatchSampler(100, 12, 0, 5, seed=0)
+
+
+def test_batch_size_and_global_batch_size_together_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        train_ddp.parse_args(["--batch-size", "8", "--global-batch-size", "16"])
+    assert "--batch-size (per process) and --global-batch-size" in capsys.readouterr().err
+
+
+# --- the optimizer state re-divided ---
+
+@pytest.mark.parametrize("numel, before, after", [(10, 3, 2), (10, 2, 4), (7, 1, 3), (9, 4, 1)])
+def test_fsdp_momentum_shards_are_re_divided_for_the_new_world(numel, before, after):
+    """The whole momentum of a unit, cut into `before` padded shards, comes back cut into
+    `after`: together (padding stripped) the same vector, and each shard as long as the
+    parameter shards of `after` ranks, padded with zeros."""
+    whole = torch.arange(1.0, numel + 1, dtype=torch.float64)
+    saved = [{"state": {0: {"momentum_buffer": flat_shard(whole, r, before),
+                            "step": torch.tensor(4.0)}},
+              "param_groups": [{"params": [0], "lr": 0.1}]} for r in range(before)]
+    shards = [train_ddp.redivided_optimizer(saved, [numel], r, after) for r in range(after)]
+    buffers = [s["state"][0]["momentum_buffer"] for s in shards]
+    assert all(len(b) == padded_numel(numel, after) // after for b in buffers)
+    assert torch.equal(torch.cat(buffers)[:numel], whole)
+    assert not torch.cat(buffers)[numel:].any()
+    assert all(s["state"][0]["step"] == 4 and s["param_groups"] == saved[0]["param_groups"]
+               for s in shards)
+
+
+# --- what a checkpoint of another world size may hold ---
+
+def as_if_written_by_two(path: Path, change_rank_1=None) -> None:
+    """Rewrite path (written by one process) as two processes with the same state write it."""
+    state = torch.load(path, weights_only=True)
+    second = resume.to_cpu(state["ranks"][0])
+    if change_rank_1:
+        change_rank_1(second)
+    state["ranks"].append(second)
+    resume.save(path, {k: v for k, v in state.items() if k != "format"})
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--comm-hook", "powersgd"], "PowerSGD's error feedback"),
+    (["--diloco", "2"], "DiLoCo's parameters"),
+    (["--dropout", "0.1"], "dropout masks")])
+def test_state_each_rank_owns_is_refused_at_another_world_size(tmp_path, flags, named):
+    path, small = tmp_path / "ckpt.pt", [*COMMON, "--train-size", "64", *flags]
+    in_one_process(*small, "--steps", "1", "--checkpoint", str(path))
+    as_if_written_by_two(path)
+    with pytest.raises(RuntimeError, match=f"checkpoint {path} was written by 2 processes and "
+                                           f"holds state each of them owns: .*{named}"):
+        in_one_process(*small, "--steps", "2", "--checkpoint", str(path))
+
+
+def test_ddp_optimizer_state_that_differs_between_ranks_is_refused(tmp_path):
+    path, small = tmp_path / "ckpt.pt", [*COMMON, "--train-size", "64"]
+    in_one_process(*small, "--steps", "1", "--checkpoint", str(path))
+
+    def nudge(rank: dict) -> None:
+        rank["optimizer"]["state"][0]["momentum_buffer"] += 1e-9
+    as_if_written_by_two(path, nudge)
+    with pytest.raises(RuntimeError, match=r"optimizer state of rank\(s\) \[1\] differs"):
+        in_one_process(*small, "--steps", "2", "--checkpoint", str(path))
+
+
+def test_without_a_global_batch_size_another_world_size_is_refused(tmp_path):
+    path, small = tmp_path / "ckpt.pt", ["--train-size", "64", "--batch-size", "16"]
+    in_one_process(*small, "--steps", "1", "--checkpoint", str(path))
+    state = torch.load(path, weights_only=True)
+    state["args"]["world_size"] = 2
+    resume.save(path, {k: v for k, v in state.items() if k != "format"})
+    with pytest.raises(RuntimeError, match="world_size 2 there, 1 here"):
+        in_one_process(*small, "--steps", "2", "--checkpoint", str(path))
+
+
+# --- 2 -> 1 -> 2 processes, as one uninterrupted run ---
+
+@pytest.fixture(scope="module", params=[("--scratch", "float64"), ("--fsdp", "float64"),
+                                        ("--scratch", "float32")])
+def two_one_two(request, tmp_path_factory) -> dict:
+    """The run on 2, then 1 (this process), then 2 processes, each leg resuming the last's
+    checkpoint; and the same command uninterrupted in this process."""
+    mode, dtype = request.param
+    folder, flags = tmp_path_factory.mktemp(mode.strip("-")), [*COMMON, mode, "--dtype", dtype]
+    outputs = []
+    for nproc, steps in LEGS:
+        leg = [*flags, "--steps", str(steps)]
+        if nproc == 1:
+            in_one_process(*leg, "--checkpoint", str(folder / "legs.pt"))
+        else:
+            outputs.append(torchrun(nproc, folder / "legs.pt", *leg))
+    in_one_process(*flags, "--checkpoint", str(folder / "whole.pt"))
+    return {"mode": mode, "dtype": dtype, "legs": resume.load(folder / "legs.pt"),
+            "whole": resume.load(folder / "whole.pt"), "last": outputs[-1]}
+
+
+def test_two_one_two_processes_end_as_one_uninterrupted_run(two_one_two):
+    legs, whole = two_one_two["legs"], two_one_two["whole"]
+    assert legs["step"] == whole["step"] == LEGS[-1][1]
+    assert len(legs["ranks"]) == 2 and "written by 1 processes" in two_one_two["last"]
+    gap = largest_gap(legs["model"], whole["model"])
+    print(f"\n{two_one_two['mode']} {two_one_two['dtype']}: 2 -> 1 -> 2 processes vs "
+          f"uninterrupted, largest parameter gap {gap:.2e}")
+    if two_one_two["dtype"] == "float64":
+        assert gap <= 1e-12
+    assert all(t.dtype == getattr(torch, two_one_two["dtype"]) for t in legs["model"].values())
+
+
+def test_fsdp_momentum_resumed_on_two_is_the_uninterrupted_one(two_one_two):
+    """The momentum the last leg's 2 ranks hold, re-divided from the middle leg's one shard,
+    matches the uninterrupted run's (one process: its whole momentum per unit)."""
+    if two_one_two["mode"] != "--fsdp":
+        pytest.skip("DDP's momentum is replicated: compared in the parameters")
+    legs = [r["optimizer"]["state"] for r in two_one_two["legs"]["ranks"]]
+    whole = two_one_two["whole"]["ranks"][0]["optimizer"]["state"]
+    for i, state in whole.items():
+        joined = torch.cat([leg[i]["momentum_buffer"] for leg in legs])
+        numel = state["momentum_buffer"].numel()
+        assert (joined[:numel] - state["momentum_buffer"]).abs().max() <= 1e-12
+        assert not joined[numel:].any()
+
+
+# --- elastic torchrun: a node lost, the world shrinks; it comes back, the world grows ---
+
+class ElasticCluster(Cluster):
+    """A Cluster started with --nnodes=1:N."""
+
+    def command(self, node: int) -> list[str]:
+        return [f"--nnodes=1:{self.nnodes}" if a.startswith("--nnodes=") else a
+                for a in super().command(node)]
+
+
+# a node is dead after keep_alive_interval x keep_alive_max_attempt without a beat; a live node
+# beats only every 1 to 2 intervals, so 2 attempts let a joining node drop a live one (two
+# worlds of one result); last_call_timeout must let node 1 join the first round
+ELASTIC_CONF = "join_timeout=60,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=4"
+
+
+def checkpoint_where(path: Path, condition) -> dict | None:
+    """The checkpoint at path if it exists and condition holds for it."""
+    if not path.exists():
+        return None
+    state = resume.load(path)
+    return state if condition(state) else None
+
+
+def wait_for(nodes: Cluster, what: str, condition, timeout: float = 120):
+    """Poll condition (about 10 times a second) until it returns something; fail, with the
+    logs, if node 0 ends or timeout seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        if nodes.agents[0].poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"waiting for {what}\n{nodes.logs()}")
+        time.sleep(0.1)
+    return found
+
+
+def test_an_elastic_world_shrinks_when_a_node_is_lost_and_goes_on(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    training = [*COMMON, "--train-size", "8192", "--epochs", "100", "--dtype", "float64"]
+    flags = [*training, "--checkpoint", str(path), "--checkpoint-every", "10"]
+    with ElasticCluster(tmp_path, 2, 1, flags, max_restarts=3, rdzv_conf=ELASTIC_CONF) as nodes:
+        two = wait_for(nodes, "a checkpoint of 2 processes",
+                       lambda: checkpoint_where(path, lambda s: len(s["ranks"]) == 2))
+        loaded = nodes.log(0).count("written by 2 processes")
+        nodes.kill_node(1)
+        killed = time.monotonic()
+        wait_for(nodes, "the world of one to resume",
+                 lambda: nodes.log(0).count("written by 2 processes") > loaded)
+        print(f"\nnode 1 killed at step {two['step']}: the world of one resumed after "
+              f"{time.monotonic() - killed:.1f} s ({ELASTIC_CONF})")
+        one = wait_for(nodes, "a checkpoint of the world of one",
+                       lambda: checkpoint_where(path, lambda s: len(s["ranks"]) == 1
+                                                and s["step"] > two["step"]))
+    in_one_process(*training, "--steps", str(one["step"]),
+                   "--checkpoint", str(tmp_path / "whole.pt"))
+    assert largest_gap(one["model"], resume.load(tmp_path / "whole.pt")["model"]) <= 1e-12
