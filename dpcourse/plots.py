@@ -529,7 +529,7 @@ def show_shm_layout(world: int = 3) -> None:
 def show_step_anatomy(anatomy: dict) -> None:
     """One ScratchDDP step (performance.step_anatomy): forward, backward, the exposed
     communication and the optimizer in a row, and each bucket's allreduce under backward."""
-    fig, ax = plt.subplots(figsize=(6.5, 1.7))
+    fig, ax = plt.subplots(figsize=(8, 3.2))
     ms = {k: 1e3 * anatomy[k] for k in ("forward_s", "backward_no_sync_s", "exposed_comm_s",
                                          "optimizer_s")}
     left = 0.0
@@ -546,8 +546,8 @@ def show_step_anatomy(anatomy: dict) -> None:
     ax.set_yticks([0, 1], ["allreduces", "step"])
     ax.set(xlabel="ms from the start of the step (medians; allreduces of one step)")
     ax.set_title(f"One step on 2 processes, {anatomy['buckets']} bucket(s): communication "
-                 "under backward is hidden, after it exposed", fontsize=8)
-    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+                 "under backward is hidden, after it exposed", fontsize=10)
+    ax.legend(fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     _show(fig)
 
 
@@ -629,7 +629,7 @@ def show_zero_memory(stages: dict[int, dict[str, dict]]) -> None:
 
 def show_fsdp_timeline(timelines: dict[str, list]) -> None:
     """One panel per case (fsdp_demos.fsdp_timelines(...): name -> events): each unit's forward and
-    backward on the compute lane (a red bar: waiting for a gather), its all-gathers and
+    backward on the compute lane (a black bar: waiting for a gather), its all-gathers and
     reduce-scatters on the communication lane, in ms after the step began."""
     fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 0.5 + 1.3 * len(timelines)),
                              sharex=True, squeeze=False)
@@ -638,14 +638,14 @@ def show_fsdp_timeline(timelines: dict[str, list]) -> None:
     lanes = {"forward": 1, "backward": 1, "wait": 1, "all-gather": 0, "reduce-scatter": 0}
     for ax, (name, events) in zip(axes[:, 0], timelines.items()):
         for kind, unit, start, end in events:
-            style = ({"color": "red"} if kind == "wait" else
+            style = ({"color": "black"} if kind == "wait" else
                      {"color": colors[unit], "hatch": "//" if kind == "reduce-scatter" else
                       "..." if kind == "backward" else None, "edgecolor": "black"})
             ax.barh(lanes[kind], 1e3 * (end - start), left=1e3 * start, height=0.6, **style)
         ax.set_yticks([0, 1], ["communication", "compute"], fontsize=8)
         ax.set_title(name, fontsize=9, loc="left")
     handles = [Rectangle((0, 0), 1, 1, color=colors[u], label=f"unit {u}") for u in units]
-    handles += [Rectangle((0, 0), 1, 1, color="red", label="waiting for a gather"),
+    handles += [Rectangle((0, 0), 1, 1, color="black", label="waiting for a gather"),
                 Rectangle((0, 0), 1, 1, fill=False, hatch="...", label="backward"),
                 Rectangle((0, 0), 1, 1, fill=False, hatch="//", label="reduce-scatter")]
     axes[0, 0].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))

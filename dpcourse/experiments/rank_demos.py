@@ -24,7 +24,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data_parallel import max_relative_difference
 from ..ddp import ScratchDDP, average_gradients, broadcast_parameters
 from ..lenet import lenet_model
-from .throughput import round_robin_seconds
+from .throughput import round_robin_samples
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -109,9 +109,12 @@ RINGS: dict[str, Callable[[torch.Tensor], object]] = {
 
 
 def ring_seconds(numels: list[int], repeats: int) -> dict[str, dict[int, float]]:
-    """Median seconds per call of gloo's all_reduce, the naive allreduce, the plain ring and
-    the pipelined one, on float32 tensors of each numel (alternated, after a warm-up)."""
-    return round_robin_seconds(RINGS, numels, repeats)
+    """Seconds of the fastest of repeats calls of gloo's all_reduce, the naive allreduce, the
+    plain ring and the pipelined one, on float32 tensors of each numel (alternated, after a
+    warm-up): the least disturbed call (chapter 08 shows why medians jump)."""
+    samples = round_robin_samples(RINGS, numels, repeats)
+    return {name: {n: min(seconds) for n, seconds in by_numel.items()}
+            for name, by_numel in samples.items()}
 
 
 def sgd_on_shards(model: nn.Module, batches: Batches, lr: float, rank: int = 0,
