@@ -232,6 +232,34 @@ def test_ring_check_refuses_a_collective(tmp_path):
         on_ranks(check_plain_ring, cheat, "plain_ring_allreduce", world_size=3)
 
 
+ADDS_EVERY_STEP = """import torch
+import torch.distributed as dist
+from dpcourse.p2p import ring_chunks
+
+
+def plain_ring_allreduce(tensor):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks, sent = tensor.tensor_split(world), 0
+    for step in range(2 * (world - 1)):
+        out, into = ring_chunks(rank, world, step)
+        landing = torch.empty_like(chunks[into])
+        ops = [dist.P2POp(dist.isend, chunks[out], (rank + 1) % world),
+               dist.P2POp(dist.irecv, landing, (rank - 1) % world)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        chunks[into].add_(landing)  # the slip: the all-gather steps add too
+        sent += chunks[out].numel()
+    return sent
+"""
+
+
+def test_ring_check_says_the_all_gather_steps_overwrite_when_every_step_adds(tmp_path):
+    slip = tmp_path / "slip.py"
+    slip.write_text(ADDS_EVERY_STEP)
+    with pytest.raises(AssertionError, match="the all-gather steps .* must overwrite the chunk"):
+        on_ranks(check_plain_ring, slip, "plain_ring_allreduce", world_size=3)
+
+
 def test_finish_check_catches_an_unlaunched_unused_bucket(tmp_path):
     lazy = tmp_path / "lazy.py"
     lazy.write_text('''from dpcourse.ddp import ScratchDDP, _write_average

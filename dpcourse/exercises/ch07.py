@@ -14,6 +14,7 @@ from ..data_parallel import max_relative_difference
 from ..ddp import make_buckets
 from ..experiments.rank_demos import TwoHeads
 from ..lenet import init_lenet_params, lenet_model
+from ..p2p import ring_chunks
 from . import answered, forbidden, is_int, is_number
 
 RING_CASES = [(n, world) for world in (1, 2, 3, 4, 5, 8) for n in (0, 1, 2, 3, 5, 7, 10, 11, 1001)]
@@ -267,6 +268,17 @@ def _ring_values(rank: int, n: int) -> torch.Tensor:
     return torch.randint(-1000, 1000, (n,), generator=generator)
 
 
+def _every_step_adds(n: int, world: int) -> list[torch.Tensor]:
+    """What each rank would hold if every step of the ring added what it received (the
+    all-gather steps included): a common slip, named by check_plain_ring."""
+    held = [[c.clone() for c in _ring_values(r, n).tensor_split(world)] for r in range(world)]
+    for step in range(2 * (world - 1)):
+        sent = [held[r][ring_chunks(r, world, step)[0]].clone() for r in range(world)]
+        for r in range(world):
+            held[r][ring_chunks(r, world, step)[1]] += sent[(r - 1) % world]
+    return [torch.cat(h) for h in held]
+
+
 def check_plain_ring(ring: Callable[[torch.Tensor], int]) -> str:
     """On each rank: your plain_ring_allreduce sums int64 tensors of several sizes in place,
     with send and receive only, and returns the elements this rank sent."""
@@ -278,9 +290,12 @@ def check_plain_ring(ring: Callable[[torch.Tensor], int]) -> str:
             sent = ring(mine)
         want = sum((_ring_values(r, n) for r in range(world)), torch.zeros(n, dtype=torch.int64))
         wrong = (mine != want).nonzero()
+        slip = ("; the all-gather steps (the last world - 1) must overwrite the chunk they "
+                "receive, not add to it" if torch.equal(mine, _every_step_adds(n, world)[rank])
+                else "")
         assert len(wrong) == 0, (
             f"{n} elements: element {wrong[0].item()} is {mine[wrong[0]].item()}, "
-            f"the sum over the ranks is {want[wrong[0]].item()}")
+            f"the sum over the ranks is {want[wrong[0]].item()}{slip}")
         should = ring_sent_reference(n, world, rank)
         assert sent == should, (f"{n} elements: returns {sent!r} elements sent, but "
                                 f"the chunks it sent hold {should}")
