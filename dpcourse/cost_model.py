@@ -108,7 +108,7 @@ def tree_allreduce_cost(link: AlphaBeta, p: int) -> AlphaBeta:
 
 
 def double_tree_allreduce_cost(link: AlphaBeta, p: int, ranks_per_node: int = 1) -> AlphaBeta:
-    """NCCL's double binary tree: 2 ((g-1) + ceil(log2 p/g)) * alpha + 2 n beta, g ranks a node.
+    """NCCL's double binary tree: 2 ((g-1) + floor(log2 p/g)) * alpha + 2 n beta, g ranks a node.
 
     Two binary trees across the nodes, each node a leaf in one and an inner node in the other,
     each reducing then broadcasting half the tensor in pipelined chunks; inside a node the g
@@ -120,7 +120,7 @@ def double_tree_allreduce_cost(link: AlphaBeta, p: int, ranks_per_node: int = 1)
                          f"got {ranks_per_node!r}")
     if p == 1:
         return AlphaBeta(0.0, 0.0)
-    hops = ranks_per_node - 1 + (p // ranks_per_node - 1).bit_length()  # chain, then ceil(log2)
+    hops = ranks_per_node - 1 + (p // ranks_per_node).bit_length() - 1  # chain, tree's depth
     return AlphaBeta(2 * hops * link.alpha, 2 * link.beta)
 
 

@@ -96,10 +96,11 @@ def test_tree_rounds_are_ceil_log2_p():
 
 
 def test_double_tree_is_logarithmic_latency_and_twice_the_bytes():
-    """NCCL's tuning model: 2 ceil(log2 p) latencies, 2n bytes at the link's rate (algbw =
-    busbw / 2), so the ring wins back only through bytes: 2(p-1)/p n < 2n."""
+    """NCCL's tuning model: 2 floor(log2 p) latencies (its log2i; the depth of a binary tree of
+    p nodes), 2n bytes at the link's rate (algbw = busbw / 2), so the ring wins back only
+    through bytes: 2(p-1)/p n < 2n."""
     link = AlphaBeta(1.0, 1.0)
-    for p, depth in [(2, 1), (3, 2), (8, 3), (9, 4), (64, 6)]:
+    for p, depth in [(2, 1), (3, 1), (8, 3), (9, 3), (64, 6)]:
         cost = cost_model.double_tree_allreduce_cost(link, p)
         assert (cost.alpha, cost.beta) == (2 * depth, 2.0)
         assert cost.beta > cost_model.ring_allreduce_cost(link, p).beta
@@ -108,7 +109,7 @@ def test_double_tree_is_logarithmic_latency_and_twice_the_bytes():
 def test_double_tree_latency_is_a_chain_inside_a_node_and_logarithmic_across_nodes():
     """NCCL's tuning.cc: 2 ((nRanks/nNodes - 1) intraLat + log2(nNodes) interLat)."""
     link = AlphaBeta(1.0, 1.0)
-    for p, per_node, hops in [(8, 8, 7), (8, 1, 3), (16, 8, 8), (64, 8, 10), (64, 1, 6)]:
+    for p, per_node, hops in [(8, 8, 7), (8, 1, 3), (16, 8, 8), (64, 8, 10), (24, 8, 8)]:
         cost = cost_model.double_tree_allreduce_cost(link, p, ranks_per_node=per_node)
         assert (cost.alpha, cost.beta) == (2 * hops, 2.0)
     with pytest.raises(ValueError, match="ranks_per_node must be an integer >= 1 that divides"):

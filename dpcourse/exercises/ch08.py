@@ -73,11 +73,11 @@ def _crossover_hint(got: float, link: AlphaBeta, p: int) -> str:
     """Why a crossover size is off."""
     if _relative_gap(got, ring_tree_crossover_reference(link, p, "tree")) < 1e-3:
         return ("that is where the ring overtakes the *binomial* tree; NCCL's tree is the "
-                "double binary tree: with one rank a node, 2 ceil(log2 p) alpha + 2 n beta")
+                "double binary tree: with one rank a node, 2 floor(log2 p) alpha + 2 n beta")
     if _relative_gap(got, ring_tree_crossover_reference(link, p) * 8) < 1e-3:
         return "the answer is in bytes, not bits"
     return (f"the ring costs 2(p-1)(alpha + n/p beta), the double tree (one rank a node) "
-            f"2 ceil(log2 p) alpha + 2 n beta; with p = {p}, set them equal and solve for n")
+            f"2 floor(log2 p) alpha + 2 n beta; with p = {p}, set them equal and solve for n")
 
 
 def check_ring_tree_crossover(answer: float | None, link: AlphaBeta = CROSSOVER_LINK,
