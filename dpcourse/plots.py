@@ -757,3 +757,33 @@ def show_comm_model(model: dict) -> None:
                  fontsize=10)
     ax.legend(fontsize=8)
     _show(fig)
+
+
+# ---- chapter 12 ----
+
+def show_elastic_run(events: list[tuple[float, int, str]], seen: dict[int, tuple],
+                     uninterrupted: list[float], losses: dict[int, float]) -> None:
+    """Left: a timeline per node, each event (seconds, node, what) marked and each checkpoint
+    seen (step: seconds, world size, ...) on the nodes of its world. Right: the uninterrupted run's
+    loss per step, and the loss at each checkpoint of the elastic run, coloured by world size."""
+    fig, (timeline, curve) = plt.subplots(1, 2, figsize=(9, 2.8), width_ratios=[1.3, 1])
+    for i, (seconds, node, what) in enumerate(events):  # labels staggered: events come close
+        timeline.plot(seconds, node, "kv", ms=6)
+        timeline.annotate(what, (seconds, node), xytext=(2, 7 if node else -11 - 8 * (i % 4)),
+                          textcoords="offset points", fontsize=6)
+    for step, (seconds, world, *_) in seen.items():
+        for node in range(world):
+            timeline.plot(seconds, node, "o", color=f"C{world - 1}", ms=4)
+    timeline.set(xlabel="seconds since the start", yticks=[0, 1],
+                 yticklabels=["node 0", "node 1"], ylim=(-1.0, 1.5))
+    timeline.set_title("Events, and checkpoints written (colour: world size)", fontsize=9)
+    curve.plot(range(len(uninterrupted)), uninterrupted, "-", color="0.6", lw=1,
+               label="uninterrupted, 1 process")
+    for world in sorted({v[1] for v in seen.values()}):
+        steps = [s for s, v in seen.items() if v[1] == world and s in losses]
+        curve.plot(steps, [losses[s] for s in steps], "o", color=f"C{world - 1}", ms=5,
+                   label=f"elastic run, {world} node{'s' if world > 1 else ''}")
+    curve.set(xlabel="step", ylabel="loss of the next global batch")
+    curve.set_title("2 -> 1 -> 2 nodes over the uninterrupted run", fontsize=9)
+    curve.legend(fontsize=7)
+    _show(fig)

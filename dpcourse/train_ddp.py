@@ -37,7 +37,8 @@ from .concise import make_resnet18
 from .data import SOURCES, Images, fashion_mnist, resolve_source
 from .compression import PowerSGDState, bf16_hook, powersgd_hook
 from .ddp import ScratchDDP
-from .fsdp import ScratchFSDP, flat_shard
+from .elastic import reshard
+from .fsdp import ScratchFSDP
 from . import resume
 from .launch import exit_without_shutdown
 from .lenet import lenet_layers, lenet_model
@@ -346,8 +347,7 @@ def redivided_optimizer(states: list[dict[str, Any]], numels: list[int], rank: i
     def redivided(i: int, key: str, value: Any) -> Any:
         if not (isinstance(value, torch.Tensor) and value.dim() == 1):
             return value  # a count or a scalar, the same on every rank
-        whole = torch.cat([state["state"][i][key] for state in states])[:numels[i]]
-        return flat_shard(whole, rank, world)
+        return reshard([state["state"][i][key] for state in states], numels[i], world)[rank]
     return {"state": {i: {key: redivided(i, key, value) for key, value in entries.items()}
                       for i, entries in states[0]["state"].items()},
             "param_groups": states[0]["param_groups"]}

@@ -1,0 +1,120 @@
+"""Checkers for chapter 12's parts and exercises (beyond one node: the data position and the
+optimizer state at another world size)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from ..fsdp import flat_shard, padded_numel
+from ..train_ddp import GlobalBatchSampler
+from . import answered, is_int, one_line_failure
+
+INDEX_CASES = [(100, 12, 3), (96, 12, 4), (20, 4, 2), (7, 7, 1)]  # (n, global batch, seed)
+SHARD_CASES = [(10, 3, 2), (10, 2, 4), (7, 1, 3), (9, 4, 1), (12, 4, 3)]  # (numel, k, new k)
+
+
+def sampler_batches(n: int, global_batch: int, world: int, rank: int, seed: int,
+                    epochs: int) -> list[list[int]]:
+    """What train_ddp's GlobalBatchSampler gives rank over epochs, step by step."""
+    sampler, batches = GlobalBatchSampler(n, global_batch, rank, world, seed), []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        batches += list(sampler)
+    return batches
+
+
+def check_rank_indices(rank_indices: Callable[..., list[int]]) -> None:
+    """Part 1: rank_indices(n, G, k, r, s, seed) is what train_ddp's sampler gives rank r of k
+    at step s, for every k dividing G, over two epochs."""
+    first = one_line_failure("rank_indices(100, 12, 3, 1, 9, 3)",
+                             lambda: rank_indices(100, 12, 3, 1, 9, 3))
+    for n, global_batch, seed in INDEX_CASES:
+        for world in [k for k in range(1, global_batch + 1) if global_batch % k == 0]:
+            for rank in range(world):
+                want = sampler_batches(n, global_batch, world, rank, seed, 2)
+                for step, expected in enumerate(want):
+                    got = list(rank_indices(n, global_batch, world, rank, step, seed))
+                    if got != expected:
+                        raise AssertionError(
+                            f"n={n}, G={global_batch}, rank {rank} of {world}, step {step} (epoch "
+                            f"{step // (n // global_batch)}): got {got[:6]}, expected "
+                            f"{expected[:6]}: {_index_hint(got, expected, global_batch, world)}")
+    print(f"correct: rank 1 of 3 at step 9 (n=100, G=12, seed 3) takes {first}; the same "
+          "global batches for every k")
+
+
+def _index_hint(got: list[int], expected: list[int], global_batch: int, world: int) -> str:
+    if len(got) != len(expected):
+        return f"each rank takes G / k = {global_batch // world} samples"
+    if sorted(got) == sorted(expected):
+        return "the right samples in the wrong order: slice randperm's order as it is"
+    return ("the epoch is step // (n // G), shuffled from seed + epoch; the batch within it is "
+            "step % (n // G), and rank r's slice starts at r * G / k inside it")
+
+
+def check_reshard(reshard: Callable[[list[torch.Tensor], int, int], list[torch.Tensor]]) -> None:
+    """Part 2: reshard(shards, numel, k') re-cuts k padded flat shards into FSDP's k'."""
+    whole = torch.arange(1.0, 11.0, dtype=torch.float64)
+    first = one_line_failure("reshard", lambda: reshard(
+        [flat_shard(whole, r, 3) for r in range(3)], 10, 2))
+    for numel, before, after in SHARD_CASES:
+        whole = torch.linspace(-1, 1, numel, dtype=torch.float64) + 0.5
+        got = list(reshard([flat_shard(whole, r, before) for r in range(before)], numel, after))
+        want = [flat_shard(whole, r, after) for r in range(after)]
+        where = f"{numel} elements, {before} -> {after} ranks"
+        if len(got) != after:
+            raise AssertionError(f"{where}: {len(got)} shards, expected one per new rank: {after}")
+        for r, (mine, right) in enumerate(zip(got, want)):
+            if mine.shape != right.shape:
+                raise AssertionError(f"{where}: shard {r} has {mine.numel()} elements, expected "
+                                     f"padded_numel({numel}, {after}) // {after} = {len(right)}")
+            if mine.dtype != right.dtype or not torch.equal(mine, right):
+                raise AssertionError(f"{where}: shard {r} is {mine.tolist()}, expected "
+                                     f"{right.tolist()} (strip the old padding, pad with zeros)")
+    print(f"correct: 10 elements in 3 shards re-cut for 2 ranks: {[s.tolist() for s in first]}")
+
+
+# --- exercises ---
+
+def samples_per_epoch_reference(n: int, global_batch: int, world: int) -> tuple[int, int]:
+    """(DistributedSampler's samples per epoch on world ranks, the global sampler's)."""
+    distributed = sum(len(DistributedSampler(range(n), world, r)) for r in range(world))
+    return distributed, n // global_batch * global_batch
+
+
+EPOCH_CASES = [(4096, 96, 3), (4096, 96, 2), (1000, 64, 4), (100, 12, 1)]
+
+
+def check_samples_per_epoch(samples_per_epoch: Callable[[int, int, int], tuple[int, int]] | None
+                            ) -> None:
+    """Exercise 1: the samples one epoch draws on k ranks, DistributedSampler and global."""
+    if not answered(samples_per_epoch):
+        return
+    for case in EPOCH_CASES:
+        got, want = samples_per_epoch(*case), samples_per_epoch_reference(*case)
+        if not (isinstance(got, tuple) and len(got) == 2 and all(map(is_int, got))) or got != want:
+            n, global_batch, world = case
+            print(f"not quite: n={n}, G={global_batch}, k={world}: {got!r}, want {want}: "
+                  "DistributedSampler pads each rank to ceil(n / k) samples; the global sampler "
+                  "drops the tail after the last whole global batch")
+            return
+    print("correct: 4,096 images on 3 ranks: DistributedSampler draws 4,098, "
+          "the global sampler 4,032 with G=96 (and the same on 2 ranks)")
+
+
+def check_resume_point(resume_point: Callable[[int, int, int], tuple[int, int, int]] | None
+                       ) -> None:
+    """Exercise 2: (epoch, batches to skip in it, samples seen) of a checkpoint's step."""
+    if not answered(resume_point):
+        return
+    for step, n, global_batch in [(0, 100, 12), (8, 100, 12), (9, 100, 12), (130, 2048, 32)]:
+        per_epoch = n // global_batch
+        want = (step // per_epoch, step % per_epoch, step * global_batch)
+        got = resume_point(step, n, global_batch)
+        if got != want:
+            print(f"not quite: step {step}, n={n}, G={global_batch}: {got!r}, want {want}: "
+                  f"an epoch has n // G = {per_epoch} steps; each step draws G samples")
+            return
+    print("correct: step 130 of n=2048, G=32: epoch 2, skip 2 batches, 4,160 samples seen")
