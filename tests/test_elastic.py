@@ -200,14 +200,6 @@ def test_fsdp_momentum_resumed_on_two_is_the_uninterrupted_one(two_one_two):
 
 # --- elastic torchrun: a node lost, the world shrinks; it comes back, the world grows ---
 
-class ElasticCluster(Cluster):
-    """A Cluster started with --nnodes=1:N."""
-
-    def command(self, node: int) -> list[str]:
-        return [f"--nnodes=1:{self.nnodes}" if a.startswith("--nnodes=") else a
-                for a in super().command(node)]
-
-
 # a node is dead after keep_alive_interval x keep_alive_max_attempt without a beat; a live node
 # beats only every 1 to 2 intervals, so 2 attempts let a joining node drop a live one (two
 # worlds of one result); last_call_timeout must let node 1 join the first round
@@ -222,34 +214,24 @@ def checkpoint_where(path: Path, condition) -> dict | None:
     return state if condition(state) else None
 
 
-def wait_for(nodes: Cluster, what: str, condition, timeout: float = 120):
-    """Poll condition (about 10 times a second) until it returns something; fail, with the
-    logs, if node 0 ends or timeout seconds pass."""
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        if nodes.agents[0].poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"waiting for {what}\n{nodes.logs()}")
-        time.sleep(0.1)
-    return found
-
-
 def test_an_elastic_world_shrinks_when_a_node_is_lost_and_goes_on(tmp_path):
     path = tmp_path / "ckpt.pt"
     training = [*COMMON, "--train-size", "8192", "--epochs", "100", "--dtype", "float64"]
     flags = [*training, "--checkpoint", str(path), "--checkpoint-every", "10"]
-    with ElasticCluster(tmp_path, 2, 1, flags, max_restarts=3, rdzv_conf=ELASTIC_CONF) as nodes:
-        two = wait_for(nodes, "a checkpoint of 2 processes",
-                       lambda: checkpoint_where(path, lambda s: len(s["ranks"]) == 2))
+    with Cluster(tmp_path, 2, 1, flags, max_restarts=3, rdzv_conf=ELASTIC_CONF,
+                 min_nodes=1) as nodes:
+        two = nodes.wait_until(lambda: checkpoint_where(path, lambda s: len(s["ranks"]) == 2),
+                               120, "a checkpoint of 2 processes")
         loaded = nodes.log(0).count("written by 2 processes")
         nodes.kill_node(1)
         killed = time.monotonic()
-        wait_for(nodes, "the world of one to resume",
-                 lambda: nodes.log(0).count("written by 2 processes") > loaded)
+        nodes.wait_until(lambda: nodes.log(0).count("written by 2 processes") > loaded, 120,
+                         "the world of one to resume")
         print(f"\nnode 1 killed at step {two['step']}: the world of one resumed after "
               f"{time.monotonic() - killed:.1f} s ({ELASTIC_CONF})")
-        one = wait_for(nodes, "a checkpoint of the world of one",
-                       lambda: checkpoint_where(path, lambda s: len(s["ranks"]) == 1
-                                                and s["step"] > two["step"]))
+        one = nodes.wait_until(lambda: checkpoint_where(path, lambda s: len(s["ranks"]) == 1
+                                                        and s["step"] > two["step"]),
+                               120, "a checkpoint of the world of one")
     in_one_process(*training, "--steps", str(one["step"]),
                    "--checkpoint", str(tmp_path / "whole.pt"))
     assert largest_gap(one["model"], resume.load(tmp_path / "whole.pt")["model"]) <= 1e-12
