@@ -24,7 +24,7 @@ from .collectives import allreduce, broadcast, get_params
 from .compression import powersgd_hook
 from .data_parallel import ScratchDataParallel
 from .ddp import ScratchDDP
-from .experiments.comm_demos import TorchsFirstQs, torch_powersgd
+from .experiments.comm_demos import TorchsFirstQs, torch_powersgd, torch_powersgd_on_cpu
 from .fsdp import ScratchFSDP
 from .hardware import accelerators, devices
 from .launch import launch, rank_device
@@ -229,9 +229,11 @@ def powersgd_like_torchs(steps: int = 6, matrix_rank: int = 2) -> None:
         ddp.register_comm_hook(*((TorchsFirstQs(matrix_rank), powersgd_hook) if ours
                                  else torch_powersgd(matrix_rank)))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(steps):
-            X, y = batch(step)
-            one_step(ddp, opt, X.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device))
+        with torch_powersgd_on_cpu():
+            for step in range(steps):
+                X, y = batch(step)
+                one_step(ddp, opt, X.chunk(world)[rank].to(device),
+                         y.chunk(world)[rank].to(device))
         trained.append(flat(model.state_dict()))
     close(*trained, f"after {steps} steps at rank {matrix_rank}")
 

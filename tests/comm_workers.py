@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 
 import torch
@@ -15,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpcourse.compression import PowerSGDState, allreduce_hook, bf16_hook, powersgd_hook
 from dpcourse.ddp import GradBucket, ScratchDDP
-from dpcourse.experiments.comm_demos import TorchsFirstQs, all_reduce_payload, torch_powersgd
+from dpcourse.experiments.comm_demos import (TorchsFirstQs, all_reduce_payload, torch_powersgd,
+                                             torch_powersgd_on_cpu)
 from dpcourse.local_sgd import DiLoCo
 
 STEPS = 6
@@ -234,3 +236,38 @@ def selfchecks_powersgd_without(feature: str) -> None:
         selfcheck.powersgd_like_torchs()
     finally:
         selfcheck.TorchsFirstQs = intact
+
+
+def torchs_powersgd_trained(steps: int = 3) -> dict[str, torch.Tensor]:
+    """wide_net after steps SGD steps on torch's DDP under torch's powerSGD_hook at rank 2."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = DistributedDataParallel(wide_net(rank))
+    ddp.register_comm_hook(*torch_powersgd(2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.2)
+    for step in range(steps):
+        x, y = batch(step, rank, world)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return ddp.module.state_dict()
+
+
+def sync_of_cuda_only(device: Any = None) -> None:
+    """torch.cuda.synchronize as a GPU host's torch 2.11 does it: a CPU device raises."""
+    if device is not None and torch.device(device).type != "cuda":
+        raise ValueError(f"Expected a cuda device, but got: {device}")
+
+
+def torchs_powersgd_on_a_gpu_host() -> dict[str, Any]:
+    """torch's powerSGD_hook on CPU ranks where CUDA is available (simulated): unguarded (the
+    error, as text) and under torch_powersgd_on_cpu; and on this host as it is."""
+    out: dict[str, Any] = {"as it is": torchs_powersgd_trained()}
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(torch.cuda, "synchronize", sync_of_cuda_only):
+        try:
+            out["unguarded"] = torchs_powersgd_trained()
+        except RuntimeError as error:
+            out["unguarded"] = str(error)
+        with torch_powersgd_on_cpu():
+            out["guarded"] = torchs_powersgd_trained()
+    return out

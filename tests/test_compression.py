@@ -162,3 +162,10 @@ def test_powersgd_compresses_only_where_the_factors_are_fewer_numbers(shape, mat
                                                                       compressed):
     from dpcourse.compression import PowerSGDState
     assert PowerSGDState(matrix_rank).compresses(torch.zeros(shape)) is compressed
+
+
+def test_torchs_powersgd_hook_runs_on_cpu_ranks_of_a_gpu_host_under_the_guard():
+    for rank in launch(comm_workers.torchs_powersgd_on_a_gpu_host, world_size=2, timeout=120):
+        assert "Expected a cuda device, but got: cpu" in rank["unguarded"]  # torch's own bug
+        for name, tensor in rank["as it is"].items():
+            assert torch.equal(rank["guarded"][name], tensor), name

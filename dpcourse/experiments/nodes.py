@@ -42,9 +42,11 @@ def free_port() -> int:
 
 
 def environment() -> dict[str, str]:
-    """This environment, on the course's offline data, one thread per process."""
+    """This environment, on the course's offline data, one thread per process, and no GPU:
+    nodes on one machine would share its GPUs (two nccl ranks on one GPU fail), and the
+    chapter compares them with runs on the CPU."""
     return {**os.environ, "DPCOURSE_DATA": os.environ.get("DPCOURSE_DATA", "synthetic"),
-            "OMP_NUM_THREADS": "1"}
+            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 class Cluster:
