@@ -6,16 +6,20 @@ from its last checkpoint, and exactly only if the checkpoint holds everything th
 depend on (the weights, every rank's optimizer state, the position in the data, any RNG or
 communication-hook state). ``save`` writes a checkpoint atomically; ``load`` refuses, naming
 the file, one that is truncated or corrupt or was written by a different command.
+``naming_lost_ranks`` turns a failed collective into an error naming the ranks that are gone.
 """
 from __future__ import annotations
 
 import copy
 import os
+import socket
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -66,6 +70,66 @@ def round_name(store: dist.Store, rank: int, world_size: int, timeout: timedelta
                                f"workers within {timeout} (their worker did not start?)")
         time.sleep(0.01)
     return name
+
+
+BEAT_S, QUIET_S = 0.5, 3.0  # each rank beats every BEAT_S; one silent for QUIET_S is gone
+
+
+@contextmanager
+def naming_lost_ranks(store: dist.Store, rank: int, world_size: int) -> Iterator[None]:
+    """Within it, rank writes who it is (node, host) in store, and a thread of its own beats
+    there every BEAT_S seconds until it leaves. A RuntimeError raised within (a failed
+    collective: gloo names its peer by address only) is raised again naming the ranks lost,
+    chained to it; as it was if none is. At most QUIET_S seconds more; any backend."""
+    if world_size == 1:
+        yield
+        return
+    store.set(f"who/{rank}", f"node {os.environ.get('GROUP_RANK', '?')}, "
+                             f"host {socket.gethostname()}")
+    stop = threading.Event()
+
+    def beat() -> None:
+        try:
+            while not stop.wait(BEAT_S):
+                store.add(f"beat/{rank}", 1)
+            store.set(f"left/{rank}", "")  # it ended, with an error of its own at worst
+        except RuntimeError:
+            pass  # the store is gone: lost_ranks says so
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        yield
+    except RuntimeError as error:
+        try:
+            lost = lost_ranks(store, world_size)
+        except RuntimeError as unreachable:
+            raise RuntimeError(f"the store does not answer either ({unreachable}): node 0, "
+                               f"which hosts it, is gone? {error}") from error
+        if lost:
+            raise RuntimeError(f"{' and '.join(lost)} {'is' if len(lost) == 1 else 'are'} "
+                               f"gone (no beat in the store for {QUIET_S:g} s): {error}"
+                               ) from error
+        raise
+    finally:
+        stop.set()
+        beating.join(QUIET_S)
+
+
+def lost_ranks(store: dist.Store, world_size: int) -> list[str]:
+    """The ranks lost: their beat counts in store do not move for QUIET_S seconds, and they
+    have not left (killed, stopped, or on a node gone); each as "rank r (node n, host h)"."""
+    def beats() -> list[int]:
+        return [store.add(f"beat/{r}", 0) for r in range(world_size)]
+
+    first, silent = beats(), set(range(world_size))
+    deadline = time.monotonic() + QUIET_S
+    while silent and time.monotonic() < deadline:
+        time.sleep(BEAT_S / 2)
+        now = beats()
+        silent = {r for r in silent if now[r] == first[r] and not store.check([f"left/{r}"])}
+    return [f"rank {r} ({store.get(f'who/{r}').decode()})" if store.check([f"who/{r}"])
+            else f"rank {r}" for r in sorted(silent)]  # (get would wait for a missing key)
 
 
 def save(path: Path, state: dict[str, Any]) -> None:

@@ -121,11 +121,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def init_distributed(timeout_s: float) -> torch.device:
-    """Join the default group (torchrun's env://, else a world of one) and return our device."""
+def init_distributed(timeout_s: float) -> tuple[torch.device, dist.Store]:
+    """Join the default group (torchrun's store, else a world of one); return our device and
+    the store joined through."""
     timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         where = resume.join_arguments(timeout)  # torchrun's store, this round's own prefix
+        if "init_method" in where:  # env://: rank 0 hosts a store; we keep it to name lost ranks
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+            where = {"store": store, "rank": rank, "world_size": world_size}
     else:
         print("No RANK/WORLD_SIZE from torchrun: running as a single process (world size 1)")
         where = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
@@ -141,7 +145,7 @@ def init_distributed(timeout_s: float) -> torch.device:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout, **where)
         say(f"Backend: gloo on the CPU (processes on this node: {local_world}, GPUs: {gpus})")
-    return device
+    return device, where["store"]
 
 
 def describe(args: argparse.Namespace) -> str:
@@ -443,11 +447,13 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse argv (default: sys.argv), join the group, train; the group is always destroyed."""
+    """Parse argv (default: sys.argv), join the group, train (a failed collective names the
+    ranks that are gone); the group is always destroyed."""
     args = parse_args(argv)
-    device = init_distributed(args.timeout)
+    device, store = init_distributed(args.timeout)
     try:
-        train(args, device)
+        with resume.naming_lost_ranks(store, dist.get_rank(), dist.get_world_size()):
+            train(args, device)
     finally:
         gc.collect()  # free the DDP wrapper (a reference cycle through its hooks) and with it
         dist.destroy_process_group()  # gloo's last work, before the interpreter shuts down

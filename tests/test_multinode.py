@@ -9,9 +9,14 @@
   once, with --max-restarts=1 (a failed re-join would need a second), and the run ends as
   the uninterrupted one, bitwise.
 - A node lost whole, with a fixed --nnodes=2: the other node's worker fails naming the lost
-  peer, its agent gives up when join_timeout ends, and the last checkpoint is intact.
+  rank and its node (resume.naming_lost_ranks: whose beats in the store stopped), its agent
+  gives up when join_timeout ends, and the last checkpoint is intact.
 """
 import re
+import socket
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dpcourse import resume
-from multinode import Cluster
+from multinode import Cluster, environment, free_port
 
 FLAGS = ["--train-size", "1024", "--batch-size", "16", "--lr", "0.05", "--timeout", "60",
          "--checkpoint-every", "8"]  # 1024 / (16 x 2 ranks): 32 steps, a checkpoint every 8
@@ -115,10 +120,14 @@ def test_a_node_lost_whole_stops_the_other_naming_the_peer_and_keeps_the_checkpo
                                                                                      tmp_path):
     nodes = cluster(2, 1, "--scratch", max_restarts=1, rdzv_conf=f"join_timeout={JOIN_TIMEOUT}")
     nodes.wait_until((tmp_path / "ckpt.pt").exists, 300, "the first checkpoint")
+    [lost] = nodes.workers(1)
+    lost = lost.environ()
     nodes.kill_node(1)  # its agent and its worker: the rendezvous' store lives on node 0
     [code] = nodes.wait(JOIN_TIMEOUT + 60)[:1]  # its worker fails at once, then join_timeout
     log = nodes.log(0)
     assert code != 0, log[-3000:]
+    assert f"RuntimeError: rank {lost['RANK']} (node {lost['GROUP_RANK']}, host " \
+           f"{socket.gethostname()}) is gone (no beat in the store for" in log, log
     assert re.search(r"\[127\.0\.0\.1\]:\d+: Connection reset by peer"  # gloo, naming the
                      r"|Connection closed by peer \[127\.0\.0\.1\]:\d+", log), log  # peer's address
     assert "Worker group FAILED. 1/1 attempts left" in log
@@ -145,3 +154,94 @@ def test_every_rank_of_a_round_gets_one_new_name_whatever_a_dead_round_left_in_t
         second = list(pool.map(rank, range(3), [0, 0.5, 0]))  # rank 0 first answers the
     assert first == ["1"] * 3  # dead question, then rank 1's own when it comes
     assert second == ["2"] * 3
+
+
+def client(port: int) -> dist.Store:
+    """A client of the store at port, under one round's prefix, as train_ddp's workers join."""
+    return dist.PrefixStore("dpcourse/round1", dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)))
+
+
+def killed_in(port: int, rank: int, world_size: int) -> None:
+    """A process of node 7 SIGKILLed inside naming_lost_ranks as rank."""
+    code = f"""import time, torch.distributed as dist
+from dpcourse import resume
+store = dist.PrefixStore("dpcourse/round1", dist.TCPStore("127.0.0.1", {port}, is_master=False))
+with resume.naming_lost_ranks(store, {rank}, {world_size}):
+    print("in", flush=True)
+    time.sleep(120)"""
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).parents[1],
+                               env={**environment(), "GROUP_RANK": "7"})
+    try:
+        assert process.stdout.readline() == "in\n"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_failed_collective_names_the_killed_ranks_not_those_that_left_or_beat():
+    """naming_lost_ranks on 4 ranks, clients of one store: rank 3 (a process) is SIGKILLed,
+    rank 2 leaves (it ended with an error of its own), rank 1 beats all along. Rank 0's error
+    names rank 3 only, chained to the original."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    killed_in(server.port, 3, 4)
+    with resume.naming_lost_ranks(client(server.port), 2, 4):
+        pass
+    original, leave = RuntimeError("Read error [127.0.0.1]:1234: Connection reset by peer"), \
+        threading.Event()
+
+    def rank_1() -> None:
+        with resume.naming_lost_ranks(client(server.port), 1, 4):
+            leave.wait(30)
+    beating = threading.Thread(target=rank_1)
+    beating.start()
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            with resume.naming_lost_ranks(client(server.port), 0, 4):
+                raise original
+    finally:
+        leave.set()
+        beating.join()
+    assert str(caught.value) == (f"rank 3 (node 7, host {socket.gethostname()}) is gone (no "
+                                 f"beat in the store for {resume.QUIET_S:g} s): {original}")
+    assert caught.value.__cause__ is original
+
+
+def raised_by_each(port: int, world_size: int, error: RuntimeError) -> list[BaseException]:
+    """What naming_lost_ranks raises in each of world_size ranks (threads) raising error."""
+    def rank(r: int) -> BaseException:
+        try:
+            with resume.naming_lost_ranks(client(port), r, world_size):
+                raise error
+        except RuntimeError as raised:
+            return raised
+    with ThreadPoolExecutor(world_size) as pool:
+        return list(pool.map(rank, range(world_size)))
+
+
+def test_an_error_every_rank_raises_is_raised_as_it_was():
+    """In a world of one, and on 3 ranks that raise it together."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    original = RuntimeError("checkpoint ckpt.pt was written by a different command")
+    assert raised_by_each(server.port, 1, original) == [original]
+    assert raised_by_each(server.port, 3, original) == [original] * 3
+
+
+def test_a_failed_collective_with_the_store_gone_says_node_0_is_gone():
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as dist; "
+                             f"s = dist.TCPStore('127.0.0.1', {port}, is_master=True); "
+                             "print('up', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)  # node 0's agent
+    try:
+        assert host.stdout.readline() == "up\n"
+        with pytest.raises(RuntimeError, match=r"the store does not answer either \(.*\): "
+                                               "node 0, which hosts it, is gone"):
+            with resume.naming_lost_ranks(client(port), 1, 2):
+                host.kill()
+                host.wait()
+                raise RuntimeError("Connection reset by peer")
+    finally:
+        host.kill()
+        host.wait()
