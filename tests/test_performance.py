@@ -11,7 +11,7 @@ import math
 import pytest
 
 from dpcourse import bench
-from dpcourse.experiments import performance, throughput, zero_memory
+from dpcourse.experiments import nodes, performance, throughput, zero_memory
 
 ALLREDUCE_NAMES = ["dist.all_reduce", "p2p.allreduce", "p2p.ring_allreduce", "shm", "memcpy"]
 NUMELS = [10, 16384, 65536]  # the last two: 64 KiB and 256 KiB, the fitted range's start
@@ -163,6 +163,8 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
     zero = {stage: {"seconds_per_step": 0.01, "optimizer_state_bytes": [8, 4],
                     "gradient_bytes": [4, 2]} for stage in ("ddp", "zero1", "zero2")}
     monkeypatch.setattr(zero_memory, "compare_zero", lambda *a, **k: zero)
+    for section in ("bench_fsdp", "bench_comm"):  # chapters 10-11: CI's bench --quick runs them
+        monkeypatch.setattr(bench, section, lambda _, figures: figures.update(ran=True))
     path, table = tmp_path / "bench.json", tmp_path / "sweep.csv"
     bench.main(["--quick", "--repeats", "1", "--batch-size", "8", "--json", str(path),
                 "--csv", str(table)])
@@ -175,7 +177,7 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
     assert float(row["fastest_s"]) == sweep["memcpy"][NUMELS[-1]][0]
     assert figures["quick"] is True
     for section in ("forward_backward_s", "train_batch_s", "simulated_allreduce", "allreduce_s",
-                    "chapter_07", "chapter_08", "chapter_09"):
+                    "chapter_07", "chapter_08", "chapter_09", "chapter_10", "chapter_11"):
         assert figures[section], section
     assert figures["chapter_09"] == zero
     assert set(figures["allreduce_s"]) == {"2", "4"}
@@ -183,3 +185,16 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
     assert set(ch08) >= {"alpha_beta", "anatomy", "buckets", "scaling"}
     assert set(ch08["alpha_beta"]["2"]) == set(ALLREDUCE_NAMES[:-1])
     assert ch08["buckets"]["predicted_best_bytes"] in [c * 2**20 for c in CAPS_MB]
+
+
+def test_bench_recovery_times_both_settings_and_says_whether_the_goal_is_met(monkeypatch,
+                                                                             capsys):
+    monkeypatch.setattr(nodes, "recovery_seconds",
+                        lambda folder, conf, shared: 46.5 if shared else 21.0)
+    figures: dict = {}
+    bench.bench_recovery(False, figures)
+    assert figures == {"torchrun's defaults": 46.5, "README's settings": 21.0}
+    out = capsys.readouterr().out
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in out and "at most 20 s (not met)" in out
+    bench.bench_recovery(True, figures := {})
+    assert figures == {} and "not measured with --quick" in capsys.readouterr().out

@@ -53,11 +53,15 @@ class Cluster:
     """nnodes torchrun agents of nproc workers each, running train_ddp with train_flags;
     each agent's output (its workers' included) goes to folder/node{i}.log. rendezvous is
     "c10d", "static" (numbered by --node_rank) or "standalone" (one node); min_nodes makes
-    the c10d world elastic (--nnodes=min_nodes:nnodes)."""
+    the c10d world elastic (--nnodes=min_nodes:nnodes). share_store=False sets
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a store per round hosted by its rank 0 worker: a node
+    started again can join a running elastic world only so (torch 2.14 hangs otherwise: a
+    survivor's agent publishes the shared store's address in the first round only)."""
 
     def __init__(self, folder: Path, nnodes: int, nproc: int, train_flags: Sequence[str], *,
                  max_restarts: int = 0, rdzv_conf: str = "join_timeout=60",
-                 rendezvous: str = "c10d", min_nodes: int | None = None) -> None:
+                 rendezvous: str = "c10d", min_nodes: int | None = None,
+                 share_store: bool = True) -> None:
         if rendezvous not in ("c10d", "static", "standalone") or (
                 rendezvous == "standalone" and nnodes != 1) or (
                 min_nodes is not None and (rendezvous != "c10d" or not 1 <= min_nodes <= nnodes)):
@@ -66,6 +70,7 @@ class Cluster:
         self.folder, self.nnodes, self.nproc = folder, nnodes, nproc
         self.train_flags, self.max_restarts = list(train_flags), max_restarts
         self.rdzv_conf, self.rendezvous, self.min_nodes = rdzv_conf, rendezvous, min_nodes
+        self.share_store = share_store
         self.port, self.mark = free_port(), uuid.uuid4().hex
         self.agents: list[subprocess.Popen] = []
         self.replaced: list[subprocess.Popen] = []  # agents of nodes started again
@@ -98,7 +103,8 @@ class Cluster:
         with open(self.log_path(node), mode) as log:
             return subprocess.Popen(
                 self.command(node), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**environment(), MARK: self.mark, "LOGLEVEL": "INFO"})
+                env={**environment(), MARK: self.mark, "LOGLEVEL": "INFO",
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if self.share_store else "1"})
 
     def start(self) -> Cluster:
         """Start node 0, wait until it hosts the rendezvous' store, then start the others."""
@@ -264,7 +270,7 @@ def restart_across_nodes(folder: Path) -> dict[str, Any]:
 # a node is dead after keep_alive_interval x keep_alive_max_attempt without a beat (torch's
 # default 5 s x 3); last_call_timeout (default 30 s) lets more nodes join a round that could
 # already form; the README's recommended settings for this machine
-ELASTIC_CONF = "join_timeout=60,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=4"
+ELASTIC_CONF = "join_timeout=120,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=4"
 ELASTIC = {"train_size": 2048, "global_batch": 32, "lr": 0.05, "momentum": 0.9, "seed": 0}
 ELASTIC_FLAGS = ("--train-size", "2048", "--global-batch-size", "32", "--epochs", "1000",
                  "--lr", "0.05", "--momentum", "0.9", "--seed", "0", "--dtype", "float64",
@@ -272,13 +278,16 @@ ELASTIC_FLAGS = ("--train-size", "2048", "--global-batch-size", "32", "--epochs"
 
 
 def elastic_run(folder: Path, steps: int, kill_at: int, every: int = 5) -> dict[str, Any]:
-    """train_ddp on 2 nodes under --nnodes=1:2: node 1 killed whole once a checkpoint of step
-    kill_at or later exists, node 0 going on alone; at its first checkpoint the job is stopped
-    and started again on 2 nodes, which resume it and end at steps. Returns the events
-    (seconds, node, what), each checkpoint seen (step: seconds, world size, weights), the exit
-    codes of the last job and its final checkpoint."""
+    """train_ddp on 2 nodes under --nnodes=1:2, in one job with a store per round
+    (share_store=False): node 1 killed whole once a checkpoint of step kill_at or later exists,
+    node 0 going on alone; at the world of one's first checkpoint node 1 is started again and
+    joins at the next re-formation (a membership change); the world of 2 ends the run at steps.
+    Node 0's worker is held (SIGSTOP) from that checkpoint until its agent sees node 1, so it
+    cannot end the run first. Returns the events (seconds, node, what), each checkpoint seen
+    (step: seconds, world size, weights), the exit codes, the final checkpoint and the error
+    node 0's worker failed with when node 1 was lost."""
     path, start, events, seen = folder / "ckpt.pt", time.monotonic(), [], {}
-    (folder / "again").mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
 
     def note(node: int, what: str) -> None:
@@ -299,8 +308,8 @@ def elastic_run(folder: Path, steps: int, kill_at: int, every: int = 5) -> dict[
 
     flags = [*ELASTIC_FLAGS, "--steps", str(steps), "--checkpoint", str(path),
              "--checkpoint-every", str(every)]
-    with Cluster(folder, 2, 1, flags, max_restarts=3, rdzv_conf=ELASTIC_CONF,
-                 min_nodes=1) as nodes:
+    with Cluster(folder, 2, 1, flags, max_restarts=3, rdzv_conf=ELASTIC_CONF, min_nodes=1,
+                 share_store=False) as nodes:
         note(0, "started")
         nodes.wait_until(checkpoint(lambda s: s["step"] >= kill_at), 120,
                          f"a checkpoint of step {kill_at}")
@@ -310,22 +319,28 @@ def elastic_run(folder: Path, steps: int, kill_at: int, every: int = 5) -> dict[
                          "node 0 to resume alone")
         note(0, f"alone, from step {resumed_steps(nodes.log(0))[-1]}")
         nodes.wait_until(checkpoint(lambda s: len(s["ranks"]) == 1), 120, "its checkpoint")
-    note(0, "job stopped")
-    again = Cluster(folder / "again", 2, 1, flags, max_restarts=3, rdzv_conf=ELASTIC_CONF,
-                    min_nodes=1)
-    with again:
-        note(0, "job started")
-        deadline, resumed = time.monotonic() + 120, False
-        while time.monotonic() < deadline and any(a.poll() is None for a in again.agents):
+        [held] = nodes.workers(0)
+        held.suspend()
+        checkpoint(lambda s: True)()  # (one more it may have written meanwhile)
+        nodes.restart_node(1)
+        note(1, "started again")
+        nodes.wait_until(lambda: "Detected 1 new nodes" in nodes.log(0), 120,
+                         "node 0's agent to see node 1")
+        held.resume()  # (it then ends on the SIGTERM its agent sent)
+        note(0, "sees node 1")
+        nodes.wait_until(lambda: "written by 1 processes" in nodes.log(0), 120,
+                         "2 nodes to resume")
+        note(0, f"2 nodes, from step {resumed_steps(nodes.log(0))[-1]}")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(a.poll() is None for a in nodes.agents):
             checkpoint(lambda state: True)()  # (every one the run writes, for the figure)
-            if not resumed and (resumed := "written by 1 processes" in again.log(0)):
-                note(0, f"2 nodes, from step {resumed_steps(again.log(0))[-1]}")
             time.sleep(0.02)
-        codes = again.wait(1)
+        codes = nodes.wait(1)
+        lost = [line for line in nodes.log(0).splitlines() if line.startswith("RuntimeError: ")]
     note(0, "ended")
     checkpoint(lambda state: True)()
     return {"events": events, "seen": dict(sorted(seen.items())), "exit_codes": codes,
-            "final": resume.load(path)}
+            "final": resume.load(path), "survivor_error": lost[-1]}
 
 
 def one_process_run(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -360,3 +375,40 @@ def losses_at(weights: dict[int, dict[str, torch.Tensor]]) -> dict[int, float]:
         with torch.no_grad():
             losses[step] = F.cross_entropy(model(X.double()), y).item()
     return losses
+
+
+# --- recovery: from a node lost to the first step of the smaller world (the benchmark's) -----
+
+RECOVERY_SETTINGS = {"torchrun's defaults": ("join_timeout=600", True),  # (--rdzv-conf,
+                     "README's settings": (ELASTIC_CONF, False)}  # the agents' shared store)
+
+
+def lose_a_node(folder: Path, flags: Sequence[str], rdzv_conf: str,
+                share_store: bool) -> tuple[float, dict]:
+    """Kill node 1 of an elastic 2-node job (--nnodes=1:2, train_ddp with flags, a checkpoint
+    after every step) once 2 processes have taken 3 steps; return the seconds from the kill to
+    the first step of the world of one (its first checkpoint), and that checkpoint."""
+    path = folder / "ckpt.pt"
+
+    def checkpoint(processes: int, after: int) -> dict | None:
+        try:
+            state = resume.load(path) if path.exists() else None
+        except (OSError, RuntimeError, EOFError):
+            return None  # (replaced atomically, but it may go between exists and load)
+        return state if state and len(state["ranks"]) == processes and state["step"] > after \
+            else None
+
+    with Cluster(folder, 2, 1, [*flags, "--checkpoint", str(path), "--checkpoint-every", "1"],
+                 max_restarts=3, rdzv_conf=rdzv_conf, min_nodes=1,
+                 share_store=share_store) as nodes:
+        nodes.wait_until(lambda: checkpoint(2, 2), 120, "3 steps of 2 processes")
+        nodes.kill_node(1)
+        killed = time.monotonic()
+        one = nodes.wait_until(lambda: checkpoint(1, 0), 180, "a step of the world of one")
+        return time.monotonic() - killed, one
+
+
+def recovery_seconds(folder: Path, rdzv_conf: str, share_store: bool) -> float:
+    """Seconds from node 1 of 2 killed whole to the first step of the world of one, training
+    the elastic run's model (ELASTIC_FLAGS)."""
+    return lose_a_node(folder, ELASTIC_FLAGS, rdzv_conf, share_store)[0]
