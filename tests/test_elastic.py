@@ -4,8 +4,9 @@ re-divided, DDP's replicated state taken once) and the run ends as an uninterrup
 float64 within 1e-12 (the ranks' sums round differently for each k; float32 drifts by far more
 over many steps, so its gap is printed, not asserted). State each rank owns (PowerSGD's error
 feedback, DiLoCo's parameters, dropout masks) is refused at another world size. Under
-torchrun --nnodes=1:2, the survivor of a node killed whole re-forms a world of one, resumes and
-goes on, as one uninterrupted run; the node started again joins, and the world grows back.
+torchrun --nnodes=1:2 (and 1:3), the survivors of a node killed whole re-form a smaller world,
+resume and go on, as one uninterrupted run; the node started again joins, and the world grows
+back.
 """
 import os
 import subprocess
@@ -217,15 +218,17 @@ def checkpoint_where(path: Path, condition) -> dict | None:
     return state if condition(state) else None
 
 
-def test_an_elastic_world_shrinks_when_a_node_is_lost_and_goes_on(tmp_path):
-    training = [*COMMON, "--train-size", "8192", "--epochs", "100", "--dtype", "float64"]
-    seconds, one = lose_a_node(tmp_path, training, ELASTIC_CONF, share_store=False)
-    print(f"\nnode 1 killed: the world of one took step {one['step']} {seconds:.1f} s later "
-          f"({ELASTIC_CONF})")
-    assert "written by 2 processes" in (tmp_path / "node0.log").read_text()  # it resumed
-    in_one_process(*training, "--steps", str(one["step"]),
+@pytest.mark.parametrize("nnodes", [2, 3])
+def test_an_elastic_world_shrinks_when_a_node_is_lost_and_goes_on(tmp_path, nnodes):
+    training = [*COMMON, "--train-size", "8192", "--epochs", "100", "--dtype", "float64",
+                "--global-batch-size", str(G * 3)]  # divided by 3 nodes, then by 2
+    seconds, smaller = lose_a_node(tmp_path, training, ELASTIC_CONF, False, nnodes)
+    print(f"\nnode {nnodes - 1} killed: the world of {nnodes - 1} took step {smaller['step']} "
+          f"{seconds:.1f} s later ({ELASTIC_CONF})")
+    assert f"written by {nnodes} processes" in (tmp_path / "node0.log").read_text()  # resumed
+    in_one_process(*training, "--steps", str(smaller["step"]),
                    "--checkpoint", str(tmp_path / "whole.pt"))
-    assert largest_gap(one["model"], resume.load(tmp_path / "whole.pt")["model"]) <= 1e-12
+    assert largest_gap(smaller["model"], resume.load(tmp_path / "whole.pt")["model"]) <= 1e-12
 
 
 def test_an_elastic_world_grows_back_when_the_lost_node_starts_again(tmp_path):

@@ -383,11 +383,12 @@ RECOVERY_SETTINGS = {"torchrun's defaults": ("join_timeout=600", True),  # (--rd
                      "README's settings": (ELASTIC_CONF, False)}  # the agents' shared store)
 
 
-def lose_a_node(folder: Path, flags: Sequence[str], rdzv_conf: str,
-                share_store: bool) -> tuple[float, dict]:
-    """Kill node 1 of an elastic 2-node job (--nnodes=1:2, train_ddp with flags, a checkpoint
-    after every step) once 2 processes have taken 3 steps; return the seconds from the kill to
-    the first step of the world of one (its first checkpoint), and that checkpoint."""
+def lose_a_node(folder: Path, flags: Sequence[str], rdzv_conf: str, share_store: bool,
+                nnodes: int = 2) -> tuple[float, dict]:
+    """Kill the last node of an elastic job of nnodes nodes of one process (--nnodes=1:nnodes,
+    train_ddp with flags, a checkpoint after every step) once they have taken 3 steps; return
+    the seconds from the kill to the first step of the smaller world (its first checkpoint),
+    and that checkpoint."""
     path = folder / "ckpt.pt"
 
     def checkpoint(processes: int, after: int) -> dict | None:
@@ -398,14 +399,16 @@ def lose_a_node(folder: Path, flags: Sequence[str], rdzv_conf: str,
         return state if state and len(state["ranks"]) == processes and state["step"] > after \
             else None
 
-    with Cluster(folder, 2, 1, [*flags, "--checkpoint", str(path), "--checkpoint-every", "1"],
+    with Cluster(folder, nnodes, 1, [*flags, "--checkpoint", str(path),
+                                     "--checkpoint-every", "1"],
                  max_restarts=3, rdzv_conf=rdzv_conf, min_nodes=1,
                  share_store=share_store) as nodes:
-        nodes.wait_until(lambda: checkpoint(2, 2), 120, "3 steps of 2 processes")
-        nodes.kill_node(1)
+        nodes.wait_until(lambda: checkpoint(nnodes, 2), 120, f"3 steps of {nnodes} processes")
+        nodes.kill_node(nnodes - 1)
         killed = time.monotonic()
-        one = nodes.wait_until(lambda: checkpoint(1, 0), 180, "a step of the world of one")
-        return time.monotonic() - killed, one
+        smaller = nodes.wait_until(lambda: checkpoint(nnodes - 1, 0), 180,
+                                   f"a step of the world of {nnodes - 1}")
+        return time.monotonic() - killed, smaller
 
 
 def recovery_seconds(folder: Path, rdzv_conf: str, share_store: bool) -> float:
