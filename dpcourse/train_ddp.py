@@ -37,7 +37,7 @@ from .concise import make_resnet18
 from .data import SOURCES, Images, fashion_mnist, resolve_source
 from .compression import PowerSGDState, bf16_hook, powersgd_hook
 from .ddp import ScratchDDP
-from .elastic import reshard
+from .elastic import GlobalBatchSampler, state_at_world_size
 from .fsdp import ScratchFSDP
 from . import resume
 from .launch import exit_without_shutdown
@@ -181,35 +181,6 @@ def build_model(name: str, seed: int, device: torch.device, layers: bool = False
     return make_resnet18(device, seed).to(dtype=dtype)
 
 
-class GlobalBatchSampler:
-    """The same global batches of G images for every world size k (--global-batch-size): in
-    epoch e, randperm(n) drawn from seed + e, cut into n // G global batches (the tail dropped),
-    of which rank r takes the r-th of k contiguous slices. So the step alone is the position in
-    the data, whatever k."""
-
-    def __init__(self, n: int, global_batch: int, rank: int, world: int, seed: int) -> None:
-        if global_batch % world or global_batch > n:
-            allowed = [k for k in range(1, global_batch + 1) if global_batch % k == 0]
-            raise ValueError(f"--global-batch-size {global_batch} on {world} processes: the "
-                             f"number of processes k must divide it (it allows k in {allowed}), "
-                             f"and it may be at most --train-size {n}")
-        self.n, self.global_batch, self.seed, self.epoch = n, global_batch, seed, 0
-        self.share = global_batch // world
-        self.first = rank * self.share
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.n // self.global_batch
-
-    def __iter__(self) -> Any:
-        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(
-            self.seed + self.epoch)).tolist()
-        for start in range(0, len(self) * self.global_batch, self.global_batch):
-            yield order[start + self.first:start + self.first + self.share]
-
-
 @dataclass
 class Training:
     """The model, wrapped as the command says, its optimizer, its device and its comm hook's
@@ -299,7 +270,9 @@ def load_training_state(path: Path, args: argparse.Namespace, run: Training) -> 
     if len(state["ranks"]) == dist.get_world_size():
         mine = state["ranks"][dist.get_rank()]
     else:
-        mine = state_at_new_world_size(path, state, run)
+        numels = ([unit.numel for unit in run.model.units]
+                  if isinstance(run.model, ScratchFSDP) else None)
+        mine = state_at_world_size(path, state, dist.get_rank(), dist.get_world_size(), numels)
     if isinstance(run.model, ScratchFSDP):
         run.model.load_full_state_dict(state["model"])
     else:
@@ -314,60 +287,6 @@ def load_training_state(path: Path, args: argparse.Namespace, run: Training) -> 
     say(f"Loaded {path}: resuming from epoch {state['epoch']}, step {state['step']}"
         + (f" (written by {len(state['ranks'])} processes)" if mine["rng"] is None else ""))
     return state["epoch"], state["step"]
-
-
-def state_at_new_world_size(path: Path, state: dict[str, Any], run: Training) -> dict[str, Any]:
-    """This rank's state from a checkpoint written by another number of ranks (the same
-    --global-batch-size): FSDP's optimizer shards re-divided, DDP's optimizer state (the same on
-    every rank: checked) rank 0's, no random state. Refused if it holds state each rank owns."""
-    ranks, world, held = state["ranks"], dist.get_world_size(), len(state["ranks"])
-    owned = [what for what, there in (
-        ("PowerSGD's error feedback (--comm-hook powersgd)", ranks[0]["hook"] is not None),
-        ("DiLoCo's parameters, one set per rank (--diloco)", ranks[0]["model"] is not None),
-        ("each rank's dropout masks (--dropout)", state["args"]["dropout"] > 0)) if there]
-    if owned:
-        raise RuntimeError(f"checkpoint {path} was written by {held} processes and holds state "
-                           f"each of them owns: {'; '.join(owned)}. It resumes on {held} "
-                           f"processes only, not {world}")
-    if isinstance(run.model, ScratchFSDP):
-        numels = [unit.numel for unit in run.model.units]
-        optimizer = redivided_optimizer([r["optimizer"] for r in ranks], numels,
-                                        dist.get_rank(), world)
-    else:
-        optimizer = ranks[0]["optimizer"]
-        differ = [r for r, mine in enumerate(ranks) if not identical(mine["optimizer"], optimizer)]
-        if differ:
-            raise RuntimeError(f"checkpoint {path}: the optimizer state of rank(s) {differ} "
-                               "differs from rank 0's, which data parallelism keeps the same "
-                               "on every rank; it cannot be resumed at another world size")
-    return {"optimizer": optimizer, "hook": None, "model": None, "rng": None}
-
-
-def redivided_optimizer(states: list[dict[str, Any]], numels: list[int], rank: int,
-                        world: int) -> dict[str, Any]:
-    """Rank's optimizer state among world ranks from the per-shard states (parameter i: a flat
-    shard of a unit of numels[i] elements) that the checkpoint's ranks held: each flat state
-    tensor gathered whole, its padding stripped, re-padded and cut as the parameters are."""
-    def redivided(i: int, key: str, value: Any) -> Any:
-        if not (isinstance(value, torch.Tensor) and value.dim() == 1):
-            return value  # a count or a scalar, the same on every rank
-        return reshard([state["state"][i][key] for state in states], numels[i], world)[rank]
-    return {"state": {i: {key: redivided(i, key, value) for key, value in entries.items()}
-                      for i, entries in states[0]["state"].items()},
-            "param_groups": states[0]["param_groups"]}
-
-
-def identical(a: Any, b: Any) -> bool:
-    """Whether a and b (tensors in dicts, lists, tuples) are equal, tensors bitwise."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape \
-            and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(
-            identical(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(identical, a, b))
-    return a == b
 
 
 def check_replicas_agree(model: nn.Module) -> None:

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from dpcourse import resume, train_ddp
+from dpcourse import elastic, resume, train_ddp
 from dpcourse.experiments import restarts
 from dpcourse.experiments.nodes import ELASTIC_CONF, lose_a_node
 from dpcourse.fsdp import flat_shard, padded_numel
@@ -56,7 +56,7 @@ def largest_gap(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("n", [100, 96])
 def test_every_world_size_takes_the_same_global_batches_the_tail_dropped(n):
     global_batch = 12
-    samplers = {k: [train_ddp.GlobalBatchSampler(n, global_batch, r, k, seed=3)
+    samplers = {k: [elastic.GlobalBatchSampler(n, global_batch, r, k, seed=3)
                     for r in range(k)] for k in (1, 2, 3, 4)}
     for epoch in (0, 1):
         batches = {}
@@ -78,7 +78,7 @@ def test_every_world_size_takes_the_same_global_batches_the_tail_dropped(n):
 def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_naming_the_allowed():
     with pytest.raises(ValueError, match=r"--global-batch-size 12 on 5 processes.*"
                                          r"allows k in \[1, 2, 3, 4, 6, 12\]"):
-        train_ddp.GlobalBatchSampler(100, 12, 0, 5, seed=0)
+        elastic.GlobalBatchSampler(100, 12, 0, 5, seed=0)
 
 
 def test_batch_size_and_global_batch_size_together_are_refused(capsys):
@@ -98,7 +98,7 @@ def test_fsdp_momentum_shards_are_re_divided_for_the_new_world(numel, before, af
     saved = [{"state": {0: {"momentum_buffer": flat_shard(whole, r, before),
                             "step": torch.tensor(4.0)}},
               "param_groups": [{"params": [0], "lr": 0.1}]} for r in range(before)]
-    shards = [train_ddp.redivided_optimizer(saved, [numel], r, after) for r in range(after)]
+    shards = [elastic.redivided_optimizer(saved, [numel], r, after) for r in range(after)]
     buffers = [s["state"][0]["momentum_buffer"] for s in shards]
     assert all(len(b) == padded_numel(numel, after) // after for b in buffers)
     assert torch.equal(torch.cat(buffers)[:numel], whole)

@@ -1,11 +1,11 @@
 """The checkers of chapter 12 pass the package's code and right answers, and reject known wrong
-ones with the reason; the package's code agrees with train_ddp's sampler and re-division."""
+ones with the reason; the package's cut and re-division are the ones train_ddp uses."""
 import math
 
 import pytest
 import torch
 
-from dpcourse import train_ddp
+from dpcourse import elastic
 from dpcourse.elastic import rank_indices, reshard
 from dpcourse.exercises.ch12 import (check_rank_indices, check_reshard, check_resume_point,
                                      check_samples_per_epoch, samples_per_epoch_reference)
@@ -48,7 +48,8 @@ def ranks_interleaved(n, global_batch, world, rank, step, seed):
 def test_wrong_sample_indices_are_rejected_with_the_reason():
     with pytest.raises(AssertionError, match=r"epoch 1\).*seed \+ epoch"):
         check_rank_indices(every_epoch_the_same_order)
-    with pytest.raises(AssertionError, match=r"rank 1 of 2.*contiguous|rank r's slice"):
+    with pytest.raises(AssertionError, match=r"rank 0 of 2.*one contiguous slice of the global "
+                                             r"batch, not a strided one"):
         check_rank_indices(ranks_interleaved)
 
 
@@ -69,23 +70,53 @@ def test_wrong_reshards_are_rejected_with_the_reason(wrong, reason):
         check_reshard(wrong)
 
 
-@pytest.mark.parametrize("n, global_batch", [(100, 12), (96, 12), (50, 10)])
-def test_rank_indices_are_what_train_ddps_sampler_gives(n, global_batch):
-    for world in (1, 2, 3, 4, 6):
+def equal_shares_only(n, global_batch, world, rank, step, seed):
+    share = global_batch // world  # right when world divides G, short by the remainder else
+    whole = rank_indices(n, global_batch, 1, 0, step, seed)
+    return whole[rank * share:(rank + 1) * share]
+
+
+def test_a_cut_in_equal_shares_is_told_the_uneven_rule():
+    with pytest.raises(AssertionError, match=r"do not divide G = 12: .*floor\(r G / k\)"):
+        check_rank_indices(equal_shares_only)
+
+
+@pytest.mark.parametrize("n, global_batch", [(100, 12), (96, 12), (50, 10), (23, 7)])
+def test_any_world_cuts_each_global_batch_into_contiguous_floor_slices(n, global_batch):
+    for step in range(3 * (n // global_batch)):
+        whole = rank_indices(n, global_batch, 1, 0, step, 7)
+        for world in range(1, global_batch + 1):
+            shares = [rank_indices(n, global_batch, world, r, step, 7) for r in range(world)]
+            assert sum(shares, []) == whole  # in rank order: the same global batch
+            sizes = [len(share) for share in shares]
+            assert sizes == [(r + 1) * global_batch // world - r * global_batch // world
+                             for r in range(world)]
+            assert max(sizes) - min(sizes) <= 1
+    epochs = [sorted(sum((rank_indices(n, global_batch, 1, 0, e * (n // global_batch) + b, 7)
+                          for b in range(n // global_batch)), [])) for e in range(2)]
+    assert all(len(set(e)) == len(e) == n // global_batch * global_batch for e in epochs)
+
+
+@pytest.mark.parametrize("n, global_batch", [(100, 12), (50, 10)])
+def test_train_ddps_sampler_gives_each_rank_its_rank_indices_epoch_after_epoch(n, global_batch):
+    for world in (1, 2, 5):
         if global_batch % world:
             continue
         for rank in range(world):
-            sampler, steps = train_ddp.GlobalBatchSampler(n, global_batch, rank, world, 7), []
+            sampler, steps = elastic.GlobalBatchSampler(n, global_batch, rank, world, 7), []
             for epoch in range(3):
                 sampler.set_epoch(epoch)
                 steps += list(sampler)
-            assert [rank_indices(n, global_batch, world, rank, s, 7)
-                    for s in range(len(steps))] == steps
+            assert steps == [rank_indices(n, global_batch, world, rank, s, 7)
+                             for s in range(3 * (n // global_batch))]
 
 
-def test_rank_indices_refuses_a_world_that_does_not_divide_the_batch():
-    with pytest.raises(ValueError, match="5 ranks must divide the global batch 12"):
-        rank_indices(100, 12, 5, 0, 0, 0)
+@pytest.mark.parametrize("world, global_batch, n, rank", [(0, 12, 100, 0), (13, 12, 100, 0),
+                                                          (3, 120, 100, 0), (3, 12, 100, 3)])
+def test_rank_indices_refuses_an_impossible_cut_naming_it(world, global_batch, n, rank):
+    with pytest.raises(ValueError, match=f"got {world} ranks, global batch {global_batch}, "
+                                         f"{n} samples, rank {rank}"):
+        rank_indices(n, global_batch, world, rank, 0, 0)
 
 
 @pytest.mark.parametrize("numel, before, after", [(10, 3, 2), (10, 2, 4), (7, 1, 3), (9, 4, 1)])
@@ -95,7 +126,7 @@ def test_reshard_is_train_ddps_re_division(numel, before, after):
               "param_groups": []} for r in range(before)]
     mine = reshard([s["state"][0]["momentum_buffer"] for s in saved], numel, after)
     for r in range(after):
-        theirs = train_ddp.redivided_optimizer(saved, [numel], r, after)
+        theirs = elastic.redivided_optimizer(saved, [numel], r, after)
         assert torch.equal(mine[r], theirs["state"][0]["momentum_buffer"])
 
 

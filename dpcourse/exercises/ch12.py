@@ -8,48 +8,60 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ..fsdp import flat_shard, padded_numel
-from ..train_ddp import GlobalBatchSampler
 from . import answered, is_int, one_line_failure
 
 INDEX_CASES = [(100, 12, 3), (96, 12, 4), (20, 4, 2), (7, 7, 1)]  # (n, global batch, seed)
 SHARD_CASES = [(10, 3, 2), (10, 2, 4), (7, 1, 3), (9, 4, 1), (12, 4, 3)]  # (numel, k, new k)
 
 
-def sampler_batches(n: int, global_batch: int, world: int, rank: int, seed: int,
-                    epochs: int) -> list[list[int]]:
-    """What train_ddp's GlobalBatchSampler gives rank over epochs, step by step."""
-    sampler, batches = GlobalBatchSampler(n, global_batch, rank, world, seed), []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        batches += list(sampler)
-    return batches
+def reference_indices(n: int, global_batch: int, world: int, rank: int, step: int,
+                      seed: int) -> list[int]:
+    """An independent reference: position j of a global batch goes to the rank r with
+    floor(r G / k) <= j < floor((r + 1) G / k), which is r = ((j + 1) k - 1) // G."""
+    per_epoch = n // global_batch
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + step // per_epoch))
+    batch = order.view(-1)[:per_epoch * global_batch].view(per_epoch, global_batch)
+    row = batch[step % per_epoch].tolist()
+    return [i for j, i in enumerate(row) if ((j + 1) * world - 1) // global_batch == rank]
 
 
 def check_rank_indices(rank_indices: Callable[..., list[int]]) -> None:
-    """Part 1: rank_indices(n, G, k, r, s, seed) is what train_ddp's sampler gives rank r of k
-    at step s, for every k dividing G, over two epochs."""
+    """Part 1: rank_indices(n, G, k, r, s, seed) is rank r's cut of global batch s among k
+    ranks, for every k from 1 to 7 (dividing G or not), over two epochs."""
     first = one_line_failure("rank_indices(100, 12, 3, 1, 9, 3)",
                              lambda: rank_indices(100, 12, 3, 1, 9, 3))
     for n, global_batch, seed in INDEX_CASES:
-        for world in [k for k in range(1, global_batch + 1) if global_batch % k == 0]:
+        worlds = sorted(range(1, min(global_batch, 7) + 1), key=lambda k: global_batch % k > 0)
+        for world in worlds:  # the worlds that divide G first: their hint is simpler
             for rank in range(world):
-                want = sampler_batches(n, global_batch, world, rank, seed, 2)
-                for step, expected in enumerate(want):
-                    got = list(rank_indices(n, global_batch, world, rank, step, seed))
+                for step in range(2 * (n // global_batch)):
+                    expected = reference_indices(n, global_batch, world, rank, step, seed)
+                    got = one_line_failure(
+                        f"rank_indices({n}, {global_batch}, {world}, {rank}, {step}, {seed})",
+                        lambda: list(rank_indices(n, global_batch, world, rank, step, seed)))
                     if got != expected:
+                        whole = reference_indices(n, global_batch, 1, 0, step, seed)
                         raise AssertionError(
                             f"n={n}, G={global_batch}, rank {rank} of {world}, step {step} (epoch "
                             f"{step // (n // global_batch)}): got {got[:6]}, expected "
-                            f"{expected[:6]}: {_index_hint(got, expected, global_batch, world)}")
+                            f"{expected[:6]}: "
+                            f"{_index_hint(got, expected, whole, global_batch, world, rank)}")
     print(f"correct: rank 1 of 3 at step 9 (n=100, G=12, seed 3) takes {first}; the same "
           "global batches for every k")
 
 
-def _index_hint(got: list[int], expected: list[int], global_batch: int, world: int) -> str:
-    if len(got) != len(expected):
-        return f"each rank takes G / k = {global_batch // world} samples"
+def _index_hint(got: list[int], expected: list[int], whole: list[int], global_batch: int,
+                world: int, rank: int) -> str:
+    """What the wrong cut got wrong (whole: the global batch, in order)."""
+    if got == whole[rank::world]:
+        return "a rank takes one contiguous slice of the global batch, not a strided one"
     if sorted(got) == sorted(expected):
         return "the right samples in the wrong order: slice randperm's order as it is"
+    if global_batch % world:
+        return (f"{world} ranks do not divide G = {global_batch}: rank r's slice runs from "
+                "floor(r G / k) up to floor((r + 1) G / k), so the slices differ by one at most")
+    if len(got) != len(expected):
+        return f"each rank takes G / k = {global_batch // world} samples"
     return ("the epoch is step // (n // G), shuffled from seed + epoch; the batch within it is "
             "step % (n // G), and rank r's slice starts at r * G / k inside it")
 

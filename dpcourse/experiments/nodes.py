@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .. import resume
 from ..data import fashion_mnist
 from ..lenet import lenet_model
-from ..train_ddp import GlobalBatchSampler
+from ..elastic import GlobalBatchSampler
 from .restarts import resumed_steps
 
 MARK = "DPCOURSE_TEST_CLUSTER"
