@@ -15,7 +15,7 @@ from dpcourse.exercises.ch08 import (BUCKET_BACKWARD_S, BUCKET_COST, BUCKET_MODE
                                      check_ring_tree_crossover, check_round,
                                      check_shm_broadcast, ring_tree_crossover_reference)
 from dpcourse.exercises.yours import on_ranks
-from shm_checks import segment_files
+from shm_checks import LaunchedSegments
 
 FIT = AlphaBeta(alpha=300e-6, beta=1 / 1.5e9)  # a fit like gloo's on 2 processes
 
@@ -201,9 +201,9 @@ def test_each_check_of_a_written_part_names_a_typical_mistake(tmp_path, name):
     path = tmp_path / f"{name}.py"
     path.write_text("import torch\nfrom dpcourse.shm import SharedMemoryAllreduce\n\n\n"
                     f"class SharedMemoryAllreduce(SharedMemoryAllreduce):{method}")
-    with pytest.raises(AssertionError, match=re.escape(reason)):
+    with LaunchedSegments() as launched, pytest.raises(AssertionError, match=re.escape(reason)):
         on_ranks(check, path, "SharedMemoryAllreduce")
-    assert not segment_files(), "a check left a shared-memory segment behind"
+    assert not launched.left(), "a check left a shared-memory segment behind"
 
 
 def test_the_checks_accept_the_package_code_on_3_ranks(tmp_path):
@@ -242,6 +242,7 @@ def test_shm_broadcast_checker(tmp_path, capsys, owner, verdict):
     path = tmp_path / "shm_broadcast.py"
     if owner:
         path.write_text(BROADCAST.format(owner=owner))
-    check_shm_broadcast(path)
+    with LaunchedSegments() as launched:
+        check_shm_broadcast(path)
     assert said(capsys).splitlines()[-1].startswith(verdict)
-    assert not segment_files()
+    assert not launched.left()

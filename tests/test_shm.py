@@ -9,7 +9,9 @@ import torch
 import workers
 from dpcourse.launch import RankError, launch
 from dpcourse.shm import SharedMemoryAllreduce
-from shm_checks import assert_equals_all_reduce, segment_files
+import os
+
+from shm_checks import LaunchedSegments, a_segment_of_another_process, assert_equals_all_reduce
 
 WORLDS = [1, 2, 3, 4]
 MAX_BYTES = 1 << 16  # 64 KiB in all: 50_000 elements take several rounds
@@ -20,12 +22,12 @@ CASES = ([(n, dt, False) for n in SIZES for dt in DTYPES]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def run(request) -> tuple[int, list[dict], set[str]]:
-    """The world size, each rank's report, and the segment files the launch left behind."""
-    before = segment_files()
-    reports = launch(workers.shm_against_all_reduce, CASES, MAX_BYTES,
-                     world_size=request.param, backend="gloo", timeout=60)
-    return request.param, reports, segment_files() - before
+def run(request) -> tuple[int, list[dict], LaunchedSegments]:
+    """The world size, each rank's report, and the launch's ranks' segment files."""
+    with LaunchedSegments() as launched:
+        reports = launch(workers.shm_against_all_reduce, CASES, MAX_BYTES,
+                         world_size=request.param, backend="gloo", timeout=60)
+    return request.param, reports, launched
 
 
 def test_sums_equal_dist_all_reduce(run):
@@ -54,8 +56,9 @@ def test_sums_in_place_and_returns_the_input(run):
 
 
 def test_no_segment_outlives_its_mapping(run):
-    _, reports, left = run
-    assert left == set()
+    _, reports, launched = run
+    assert launched.removed_by_launch == set()  # each rank removed its own file
+    assert launched.left() == set()
     for report in reports:
         assert report["files_while_open"] == []  # removed as soon as every rank mapped it
         assert report["mapped_after_close"] == 0
@@ -82,17 +85,30 @@ def test_wrong_calls_raise_the_same_clear_error_on_every_rank(run):
 
 
 def test_no_segment_left_when_a_rank_is_killed():
-    before = segment_files()
-    with pytest.raises(RankError, match="killed by signal SIGKILL"):
+    with LaunchedSegments() as launched, pytest.raises(RankError, match="killed by signal"):
         launch(workers.shm_crash, 1, world_size=2, backend="gloo", timeout=30)
-    assert segment_files() - before == set()
+    assert launched.removed_by_launch == set() and launched.left() == set()
 
 
 def test_no_segment_left_when_a_rank_is_killed_while_building_it():
-    before = segment_files()
-    with pytest.raises(RankError, match="killed by signal SIGKILL"):
+    with LaunchedSegments() as launched, pytest.raises(RankError, match="killed by signal"):
         launch(workers.shm_crash_while_building, 1, world_size=2, backend="gloo", timeout=30)
-    assert segment_files() - before == set()
+    assert len(launched.removed_by_launch) == 1  # the killed rank's, which launch removed
+    assert launched.left() == set()
+
+
+def test_a_segment_another_test_holds_meanwhile_is_not_counted_as_this_launchs():
+    """Under xdist another worker's ranks hold segments while this launch runs (issue 34:
+    diffing all of /dev/shm counted them as leaks)."""
+    theirs = a_segment_of_another_process(os.getpid())
+    try:
+        with LaunchedSegments() as launched:
+            launch(workers.shm_against_all_reduce, CASES[:1], MAX_BYTES, world_size=2,
+                   backend="gloo", timeout=60)
+        assert launched.removed_by_launch == set() and launched.left() == set()
+        assert len(launched.pids) == 2 and theirs.exists()
+    finally:
+        theirs.unlink()
 
 
 def test_needs_the_default_process_group():

@@ -9,7 +9,7 @@ import torch
 import shm_workers
 from dpcourse.launch import launch
 from dpcourse.shm_steps import SHM_STEPS, WHOLE_TENSOR_BYTES
-from shm_checks import assert_equals_all_reduce, segment_files
+from shm_checks import LaunchedSegments, assert_equals_all_reduce
 from workers import shm_input
 
 WORLDS = [2, 3]
@@ -24,12 +24,12 @@ STEP_TYPES = ["PlainBarriers", "SpinCounters", "SharedMemoryAllreduce", "SharedM
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def run(request) -> tuple[int, list[dict], set[str]]:
-    """The world size, each rank's report, and the segment files the launch left behind."""
-    before = segment_files()
-    reports = launch(shm_workers.steps_against_all_reduce, CASES, MAX_BYTES, PASSES,
-                     FACTORY_CASES, world_size=request.param, backend="gloo", timeout=120)
-    return request.param, reports, segment_files() - before
+def run(request) -> tuple[int, list[dict], LaunchedSegments]:
+    """The world size, each rank's report, and the launch's ranks' segment files."""
+    with LaunchedSegments() as launched:
+        reports = launch(shm_workers.steps_against_all_reduce, CASES, MAX_BYTES, PASSES,
+                         FACTORY_CASES, world_size=request.param, backend="gloo", timeout=120)
+    return request.param, reports, launched
 
 
 def rank_order_sum(world: int, call: int, numel: int, dtype: torch.dtype,
@@ -94,8 +94,9 @@ def test_every_factory_builds_a_working_allreduce(run):
 
 
 def test_no_segment_outlives_its_mapping(run):
-    _, reports, left = run
-    assert left == set()
+    _, reports, launched = run
+    assert launched.removed_by_launch == set()  # each rank removed its own file
+    assert launched.left() == set()
     for report in reports:
         assert report["files_while_open"] == []  # removed as soon as every rank mapped it
         assert report["mapped_after_close"] == 0
