@@ -186,6 +186,18 @@ def test_device_choice_says_a_float_count_should_raise_value_error() -> None:
         ch00.check_device_choice(no_type_check)
 
 
+def test_device_choice_says_to_handle_none_before_checking_the_count() -> None:
+    def count_checked_first(n=None, *, simulate=False):
+        if not isinstance(n, int) or n < 1:  # None is refused before step 2 can return
+            raise ValueError(f"devices(n) needs a whole number n >= 1, got {n!r}")
+        return chapter_devices(n, simulate=simulate)
+    with pytest.raises(AssertionError, match=r"^on a machine with no accelerator, devices\(None\) "
+                                             r"raised ValueError \(devices\(n\) needs a whole "
+                                             r"number n >= 1, got None\); want \['cpu'\] .*; "
+                                             r"handle None before checking the count\)$"):
+        ch00.check_device_choice(count_checked_first)
+
+
 def test_device_choice_points_to_the_one_device_rule_when_it_is_missing() -> None:
     def simulates_one(n=None, *, simulate=False):
         return chapter_devices(n, simulate=simulate, one_is_the_cpu=False)

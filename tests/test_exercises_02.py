@@ -82,6 +82,16 @@ def test_param_count_hints_name_the_forgotten_tensor(capsys):
     assert verdict(capsys) == "not"
 
 
+def test_param_count_names_w1_when_only_w1_was_left_at_20_filters(capsys):
+    check_param_count(20 * 9 + 32 + 50 * 32 * 25 + 50 + 800 * 128 + 128 + 128 * 10 + 10)
+    assert capsys.readouterr().out == ("not quite (144,080): W1 grows too: 32 filters of "
+                                       "1 x 3 x 3\n")
+    check_param_count(129_068 + 12)  # only b1 grown: W1 and W2 left as they were
+    assert capsys.readouterr().out == ("not quite (129,080): W1 grows too: 32 filters of "
+                                       "1 x 3 x 3; W2 changes too: it has one 5x5 slice per "
+                                       "input channel, 32 now\n")
+
+
 def test_flat_size_for_32x32_images(capsys):
     check_flat_size(50 * 5 * 5)
     assert verdict(capsys) == "correct"

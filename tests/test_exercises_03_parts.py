@@ -58,6 +58,23 @@ def test_a_copy_without_detach_is_no_leaf_when_the_source_requires_grad() -> Non
         check_get_params(undetached)
 
 
+def test_requires_grad_before_the_copy_is_told_to_come_after_it() -> None:
+    def grad_then_copy(params, device):  # detached, but the copy is recorded by autograd
+        return [p.detach().requires_grad_().to(device, copy=True) for p in params]
+    with pytest.raises(AssertionError, match=r"^on cpu, parameter 0: the copy is no leaf: .to "
+                                             r"recorded the copy for autograd because its input "
+                                             r"already required grad; call requires_grad_\(\) "
+                                             r"on the copy, after .to$"):
+        check_get_params(grad_then_copy)
+
+
+def test_a_single_device_is_named_in_the_singular() -> None:
+    with pytest.raises(AssertionError, match=r"^1 device: tensor 0 does not hold the sum"):
+        check_allreduce(lambda tensors: [t.zero_() for t in tensors])
+    with pytest.raises(AssertionError, match=r"^1 device should give a list of 1 copy, got"):
+        check_broadcast(lambda tensor, devs: [])
+
+
 def test_the_textbooks_allreduce_leaves_the_other_devices_without_the_sum() -> None:
     with pytest.raises(AssertionError, match="does not hold the sum"):
         check_allreduce(textbook_allreduce)

@@ -66,3 +66,9 @@ def test_split_batch_check_says_where_shards_went_wrong(split_batch, message):
     from dpcourse.exercises.ch04 import check_split_batch
     with pytest.raises(AssertionError, match=message):
         check_split_batch(split_batch)
+
+
+def test_split_batch_check_names_one_example_on_one_device_in_the_singular():
+    from dpcourse.exercises.ch04 import check_split_batch
+    with pytest.raises(AssertionError, match=r"^1 example on 1 device: shards of \[0\], want \[1\]$"):
+        check_split_batch(lambda X, y, devs: ([X[:0]], [y[:0]]))

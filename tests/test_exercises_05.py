@@ -106,22 +106,27 @@ def test_train_batch_check_accepts_the_package_and_names_what_is_wrong(capsys):
 
 
 def step_without(X, y, device_params, devs, lr, allreduce=allreduce, *, idle_zeros=True,
-                 divisor=None):
-    """train_batch written out, without zero gradients for idle replicas, or dividing the
-    summed gradient by divisor(shard sizes) instead of the batch size."""
+                 divisor=None, shard_loss="sum", sgd_first=False, detach=True):
+    """train_batch written out, with one slip: no zero gradients for idle replicas, dividing
+    the summed gradient by divisor(shard sizes) instead of the batch size, each shard's loss
+    averaged (shard_loss="mean"), sgd before the allreduce, or the loss returned undetached."""
     X_shards, y_shards = split_batch(X, y, devs)
-    losses = [loss(lenet(Xs, params), ys).sum()
+    losses = [getattr(loss(lenet(Xs, params), ys), shard_loss)()
               for Xs, ys, params in zip(X_shards, y_shards, device_params)]
     for l in losses:
         l.backward()
     for params in device_params[len(X_shards):] if idle_zeros else []:
         for p in params:
             p.grad = torch.zeros_like(p)
+    updates = [lambda params=params: sgd(params, lr, divisor([len(s) for s in X_shards])
+                                         if divisor else len(y)) for params in device_params]
+    for update in updates if sgd_first else []:
+        update()
     for grads in zip(*[[p.grad for p in params] for params in device_params]):
         allreduce(list(grads))
-    for params in device_params:
-        sgd(params, lr, divisor([len(s) for s in X_shards]) if divisor else len(y))
-    return sum(l.detach() for l in losses)
+    for update in [] if sgd_first else updates:
+        update()
+    return sum(l.detach() if detach else l for l in losses)
 
 
 def test_train_batch_check_says_to_give_an_idle_replica_zero_gradients():
@@ -135,6 +140,28 @@ def test_train_batch_check_says_to_divide_by_the_whole_batch():
                                              "you divided by a shard's size: divide the summed "
                                              "gradient by the whole batch"):
         check_train_batch(lambda *a, **k: step_without(*a, **k, divisor=lambda sizes: sizes[0]))
+
+
+def test_train_batch_check_says_sgd_comes_after_the_allreduce():
+    with pytest.raises(AssertionError, match=r"^batch 10 on 1 device: device 0 had a shard but "
+                                             r"has no gradient at the allreduce: run every "
+                                             r"shard's backward first, and sgd \(which clears "
+                                             r"p.grad\) only after the allreduce$"):
+        check_train_batch(lambda *a, **k: step_without(*a, **k, sgd_first=True))
+
+
+def test_train_batch_check_says_to_sum_each_shards_loss_not_average_it():
+    with pytest.raises(AssertionError, match=r"^batch 10 on 1 device: the step is the one of "
+                                             r"each shard's mean loss: sum each shard's loss "
+                                             r"\(.sum\(\), not .mean\(\)\)"):
+        check_train_batch(lambda *a, **k: step_without(*a, **k, shard_loss="mean"))
+
+
+def test_train_batch_check_refuses_a_loss_that_still_requires_grad():
+    with pytest.raises(AssertionError, match=r"^batch 10 on 1 device: the returned loss still "
+                                             r"requires grad, and keeps the step's autograd "
+                                             r"graph alive: return it detached"):
+        check_train_batch(lambda *a, **k: step_without(*a, **k, detach=False))
 
 
 def test_cpu_example_weight_is_the_ratio_of_the_shard_sizes(capsys):

@@ -155,6 +155,17 @@ def test_part_checks_accept_the_package_and_name_what_is_wrong(capsys):
         check_gather(lambda outputs, d: torch.cat([o.detach() for o in outputs]).to(d))
 
 
+def test_replicate_check_repeats_a_device_so_that_to_without_copy_fails():
+    def without_copy(module, devs):  # t.to(d) returns t itself when t is on d already
+        state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        return [state] + [{n: t.to(d) for n, t in state.items()} for d in devs[1:]]
+    with pytest.raises(AssertionError, match=r"^devices cpu, cpu: device 1's 0.weight is the "
+                                             r"original itself: t.to\(d\) returns t when t is "
+                                             r"already on d \(chapters 00 and 03\); ask .to for "
+                                             r"copy=True$"):
+        check_replicate(without_copy)
+
+
 def loss_per_device(module, X, y, devs, mean_of_means=False):
     X_shards, y_shards = scatter(X, devs), scatter(y, devs)
     outputs = parallel_apply(module, replicate(module, devs[:len(X_shards)]), X_shards)

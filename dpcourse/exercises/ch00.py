@@ -170,10 +170,20 @@ def check_device_choice(devices: Callable[..., list[torch.device]]) -> None:
         with mock.patch.dict(devices.__globals__, {"accelerators": lambda real=real: list(real)}):
             for n, simulate in itertools.product((None, 1, 2, 3, 4), (False, True)):
                 call = f"devices({n}{', simulate=True' if simulate else ''})"
-                printed = io.StringIO()
-                with contextlib.redirect_stdout(printed):
-                    got = devices(n, simulate=simulate)
                 want, simulated = _expected_devices(real, n, simulate)
+                printed = io.StringIO()
+                try:
+                    with contextlib.redirect_stdout(printed):
+                        got = devices(n, simulate=simulate)
+                except NotImplementedError:
+                    raise
+                except Exception as error:
+                    raise AssertionError(
+                        f"on a machine with {machine}, {call} raised {type(error).__name__} "
+                        f"({error}); want {[str(d) for d in want]} "
+                        f"({_device_hint(real, n, simulate)}"
+                        + ("; handle None before checking the count" if n is None else "")
+                        + ")") from None
                 assert isinstance(got, list) and [str(d) for d in got] == [str(d) for d in want], (
                     f"on a machine with {machine}, {call} gave {got}, want "
                     f"{[str(d) for d in want]} ({_device_hint(real, n, simulate)})")
@@ -188,7 +198,8 @@ def check_device_choice(devices: Callable[..., list[torch.device]]) -> None:
                 except Exception as error:
                     raise AssertionError(
                         f"devices({bad!r}) raised {type(error).__name__} ({error}); it should "
-                        "raise ValueError: check that n is an int >= 1 first") from None
+                        "raise ValueError: after handling None, check that n is an int >= 1"
+                    ) from None
                 raise AssertionError(f"devices({bad!r}) did not raise a ValueError: n must be "
                                      "a whole number >= 1")
     print("devices is right: real, round-robin or CPU devices on three machines, announced "

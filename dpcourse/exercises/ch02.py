@@ -1,6 +1,7 @@
 """Checkers for chapter 02 (LeNet from scratch on one device)."""
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable
 
@@ -86,12 +87,18 @@ def check_param_count(answer: int | str | None) -> None:
     expected = sum(math.prod(shape) for shape in shapes)
     if answer == expected:
         return print("correct")
-    if answer == expected - 12:
-        hint = "b1 grows too: one bias per filter, 32 instead of 20"
+    growth = {"W1": 12 * 9, "b1": 12, "W2": 50 * 12 * 25}  # each tensor's growth from 20 to 32
+    reasons = {"W1": "W1 grows too: 32 filters of 1 x 3 x 3",
+               "b1": "b1 grows too: one bias per filter, 32 instead of 20",
+               "W2": "W2 changes too: it has one 5x5 slice per input channel, 32 now"}
+    forgotten = [kept for r in (1, 2) for kept in itertools.combinations(growth, r)
+                 if answer == expected - sum(growth[name] for name in kept)]
+    if forgotten:
+        hint = "; ".join(reasons[name] for name in forgotten[0])
     elif answer <= 129_068:
         hint = "more filters means more parameters, not fewer"
     elif answer < expected:
-        hint = "W2 changes too: it has one 5x5 slice per input channel"
+        hint = "count W1 (32 x 1 x 3 x 3), b1 (32) and W2 (50 x 32 x 5 x 5) for 32 filters"
     else:
         hint = "only W1, b1 and W2 change: the second stage still gives 50 x 4 x 4 = 800 values"
     print(f"not quite ({answer:,}): {hint}")

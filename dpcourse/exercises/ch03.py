@@ -11,6 +11,11 @@ from ..lenet import init_lenet_params
 from ..ring import ring_schedule
 
 
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """"1 device", "3 devices": n with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def spread_traffic(sizes: list[int], k: int) -> list[int]:
     """Elements each device sends when parameter j (sizes[j] elements) is reduced on device
     j mod k and copied back from there: the owner sends it k-1 times, every other device once."""
@@ -102,6 +107,28 @@ def _simulated(k: int) -> list[torch.device]:
     return [torch.device("cpu", i) for i in range(k)]
 
 
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors that t's autograd graph accumulates gradients into."""
+    found, stack, seen = [], [t.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):
+            found.append(fn.variable)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
+
+
+def _not_a_leaf(copy: torch.Tensor, source: torch.Tensor) -> str:
+    """Why a copy that is no leaf is one: linked to the source, or made after requires_grad_()."""
+    if any(leaf is source for leaf in _leaves(copy)):
+        return "the copy is no leaf, autograd links it to the source: detach() before copying"
+    return ("the copy is no leaf: .to recorded the copy for autograd because its input already "
+            "required grad; call requires_grad_() on the copy, after .to")
+
+
 def check_get_params(get_params: Callable) -> None:
     """Your get_params(params, device): equal values in new memory on device, a leaf that
     requires grad, and the source untouched, even where p.to(device) would be p itself and
@@ -121,8 +148,7 @@ def check_get_params(get_params: Callable) -> None:
                 f"{where}: the copy is in the source's memory; ask .to for copy=True")
             assert r.device.type == device.type, f"{where}: the copy is on {r.device}"
             assert r.requires_grad, f"{where}: the copy must require grad (requires_grad_())"
-            assert r.is_leaf, (f"{where}: the copy is no leaf, autograd links it to the "
-                               "source: detach() before copying")
+            assert r.is_leaf, f"{where}: {_not_a_leaf(r, p)}"
             assert p.requires_grad == source_grad, (
                 f"{where}: the source's requires_grad changed; leave the source untouched")
     print("get_params is right: independent leaf copies that require grad, the source untouched")
@@ -136,11 +162,12 @@ def check_broadcast(broadcast: Callable) -> None:
         devs = [torch.device("cpu")] + _simulated(k - 1)
         copies = broadcast(source, devs)
         assert isinstance(copies, list) and len(copies) == k, (
-            f"{k} devices should give a list of {k} copies, got {copies!r:.60}")
+            f"{_count(k, 'device')} should give a list of {_count(k, 'copy', 'copies')}, got "
+            f"{copies!r:.60}")
         memory = {source.data_ptr()} | {c.data_ptr() for c in copies}
         assert len(memory) == k + 1, (
-            f"on {k} devices some copies share memory with each other or with the tensor: "
-            "ask .to for copy=True")
+            f"on {_count(k, 'device')} some copies share memory with each other or with the "
+            "tensor: ask .to for copy=True")
         for d, c in zip(devs, copies):
             assert torch.equal(c, source.detach()), f"the copy for {d} has other values"
             assert not c.requires_grad, f"the copy for {d} requires grad: detach it"
@@ -167,11 +194,11 @@ def _check_sums(fn: Callable, sent_for: Callable, shape: tuple[int, ...] = (3, 7
         sent = fn(list(tensors))  # a fresh list, as train_batch passes: only writes count
         for i, t in enumerate(tensors):
             assert torch.equal(t, total), (
-                f"{k} devices: tensor {i} does not hold the sum; write it into the tensor "
-                "(add_, copy_), not into the list")
+                f"{_count(k, 'device')}: tensor {i} does not hold the sum; write it into the "
+                "tensor (add_, copy_), not into the list")
         want = sent_for(k, total.numel())
-        assert list(sent) == want, f"{k} devices of {total.numel()} elements: sent {sent}, " \
-                                   f"want {want}"
+        assert list(sent) == want, (f"{_count(k, 'device')} of {total.numel()} elements: "
+                                    f"sent {sent}, want {want}")
 
 
 def check_allreduce(allreduce: Callable) -> None:

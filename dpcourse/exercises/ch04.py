@@ -11,6 +11,11 @@ from ..split import split_batch
 from . import answered, is_int
 
 
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """"1 device", "3 devices": n with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def check_shard_sizes(n: int, k: int, answer: list[int] | None) -> None:
     """Exercise 1: the shard sizes split_batch gives a batch of n on k devices."""
     if answer is None:
@@ -132,13 +137,14 @@ def check_split_batch(split_batch: Callable) -> None:
         for n in range(1, 21):
             X, y = torch.randn(n, 3), torch.arange(n)
             X_shards, y_shards = split_batch(X, y, devs)
+            where = f"{_count(n, 'example')} on {_count(k, 'device')}"
             want = [len(c) for c in X.chunk(k)]
             got = [len(s) for s in X_shards]
-            assert got == want, f"{n} examples on {k} devices: shards of {got}, want {want}"
+            assert got == want, f"{where}: shards of {got}, want {want}"
             assert all(torch.equal(a, b) for a, b in zip(X_shards, X.chunk(k))), (
-                f"{n} examples on {k} devices: the shards of X are not X's rows in order")
+                f"{where}: the shards of X are not X's rows in order")
             assert [s.tolist() for s in y_shards] == [c.tolist() for c in y.chunk(k)], (
-                f"{n} examples on {k} devices: the shards of y do not match those of X")
+                f"{where}: the shards of y do not match those of X")
     placed = [torch.device("meta"), torch.device("cpu")]  # shards on meta hold no values
     for name, shards in zip("Xy", split_batch(torch.randn(4, 3), torch.arange(4), placed)):
         where = [s.device.type for s in shards]

@@ -12,6 +12,11 @@ from ..lenet import init_lenet_params, lenet, loss
 from ..training import Settings, sgd, train_batch
 
 
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """"1 device", "3 devices": n with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def check_steps(answer: int | None) -> None:
     """Exercise 1: the number of SGD steps of train(4, batch_size=1024) with this machine's
     default settings."""
@@ -59,7 +64,7 @@ def check_lr_for_k(lr_for: Callable[[int], float] | None) -> None:
         lr = lr_for(k)
         rel, ratio = _largest_update_difference(k, lr)
         if rel > 1e-4:
-            where = f"on {k} device{'s' if k > 1 else ''} (batch {64 * k})"
+            where = f"on {_count(k, 'device')} (batch {64 * k})"
             if lr <= 0:
                 return print(f"not quite: {where} your lr {lr} does not step down the gradient")
             return print(f"not quite: {where} your lr {lr} moves the parameters {ratio:.2f}x as "
@@ -113,6 +118,15 @@ def _one_device_step(params: list[torch.Tensor], X: torch.Tensor, y: torch.Tenso
         return [p - lr * (p.grad / len(y) + wd * p) for p in ref]
 
 
+def _mean_per_shard_step(params: list[torch.Tensor], X: torch.Tensor, y: torch.Tensor, k: int,
+                         lr: float) -> list[torch.Tensor]:
+    """The wrong step that averages each of the k shards' losses, then divides by the batch."""
+    ref = get_params(params, torch.device("cpu"))
+    sum(loss(lenet(Xs, ref), ys).mean() for Xs, ys in zip(X.chunk(k), y.chunk(k))).backward()
+    with torch.no_grad():
+        return [p - lr * p.grad / len(y) for p in ref]
+
+
 def _step_problem(device_params: list[list[torch.Tensor]], ref: list[torch.Tensor],
                   params: list[torch.Tensor]) -> str | None:
     """What is wrong with the replicas after a step, against the one-device step ref."""
@@ -144,13 +158,20 @@ def check_train_batch(train_batch: Callable) -> None:
     for k, n in ((1, 10), (2, 10), (3, 10), (4, 3)):
         devs, calls = [torch.device("cpu", i) for i in range(k)], []
         replicas = [get_params(params, d) for d in devs]
-        where = f"batch {n} on {k} device{'s' if k > 1 else ''}"
+        where = f"batch {n} on {_count(k, 'device')}"
+
+        shards = len(X[:n].chunk(k))  # devices from this index on get no shard
 
         def given_allreduce(grads: list[torch.Tensor | None]) -> list[int]:
             calls.append(len(grads))
-            idle = [i for i, grad in enumerate(grads) if grad is None]
-            assert not idle, (f"{where}: device {idle[0]} got no shard and has no gradient: "
-                              "give an idle replica zero gradients (torch.zeros_like)")
+            missing = [i for i, grad in enumerate(grads) if grad is None]
+            assert not missing or missing[0] >= shards, (
+                f"{where}: device {missing[0]} had a shard but has no gradient at the allreduce: "
+                "run every shard's backward first, and sgd (which clears p.grad) only after "
+                "the allreduce")
+            assert not missing, (f"{where}: device {missing[0]} got no shard and has no "
+                                 "gradient: give an idle replica zero gradients "
+                                 "(torch.zeros_like)")
             return allreduce(grads)
 
         got = train_batch(X[:n], y[:n], replicas, devs, 0.1, allreduce=given_allreduce)
@@ -158,6 +179,11 @@ def check_train_batch(train_batch: Callable) -> None:
                                   f"on the list of the replicas' gradients (calls on {calls})")
         ref = _one_device_step(params, X[:n], y[:n], 0.1)
         problem = _step_problem(replicas, ref, params)
+        if problem is not None and _step_problem(
+                replicas, _mean_per_shard_step(params, X[:n], y[:n], k, 0.1), params) is None:
+            problem = ("the step is the one of each shard's mean loss: sum each shard's loss "
+                       "(.sum(), not .mean()), so that the shards' gradients add up to the "
+                       "batch's; sgd divides by the whole batch")
         if problem is not None and any(math.isclose(_step_scale(replicas[0], ref, params),
                                                     n / len(shard), rel_tol=1e-3)
                                        for shard in X[:n].chunk(k) if len(shard) < n):
@@ -165,8 +191,13 @@ def check_train_batch(train_batch: Callable) -> None:
                        "summed gradient by the whole batch, X.shape[0]")
         assert problem is None, f"{where}: {problem}"
         want = float(loss(lenet(X[:n], params), y[:n]).sum())
-        assert got is not None and abs(float(got) - want) <= 1e-5 * abs(want), (
-            f"{where}: returned {got}, want the summed loss of the batch, {want:.4f}")
+        assert isinstance(got, torch.Tensor), (
+            f"{where}: returned {got!r:.40}, want the summed loss of the batch, a tensor")
+        assert not got.requires_grad, (
+            f"{where}: the returned loss still requires grad, and keeps the step's autograd "
+            "graph alive: return it detached (l.detach() for each shard's loss)")
+        assert abs(float(got) - want) <= 1e-5 * abs(want), (
+            f"{where}: returned {float(got):.4f}, want the summed loss of the batch, {want:.4f}")
     try:
         train_batch(X, y, [get_params(params, devs[0])], devs[:2], 0.1)
     except ValueError:
@@ -192,7 +223,7 @@ def check_train_batch_wd(train_batch_wd: Callable | None) -> None:
         if problem is None:
             continue
         if any(_step_problem(replicas, steps[m], params) is None for m in range(2, 5)):
-            return print(f"not quite: on {k} devices your decay is counted more than once (each "
-                         "device adds it before the allreduce sums them): add it once")
-        return print(f"not quite: batch {n} on {k} device(s): {problem}")
+            return print(f"not quite: on {_count(k, 'device')} your decay is counted more than "
+                         "once (each device adds it before the allreduce sums them): add it once")
+        return print(f"not quite: batch {n} on {_count(k, 'device')}: {problem}")
     print("correct: the decay is added once, after the allreduce (or 1/k of it on each device)")

@@ -13,24 +13,29 @@ from ..resnet import resnet18
 from . import answered, is_int
 
 
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """"1 device", "3 devices": n with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def check_same_batch_settings(same_batch_settings: Callable[[int], Any] | None) -> None:
     """Exercise 1: settings for k devices with the textbook's 1-GPU run's global batch 256 and
     learning rate 0.1."""
     if not answered(same_batch_settings):
         return
     for k in (1, 2, 4, 8):
-        s = same_batch_settings(k)
+        s, on = same_batch_settings(k), f"on {_count(k, 'device')}"
         if not is_int(s.batch_per_device):
-            print(f"not quite: on {k} devices batch_per_device is {s.batch_per_device!r}, but a "
+            print(f"not quite: {on} batch_per_device is {s.batch_per_device!r}, but a "
                   "batch holds a whole number of examples: use 256 // k")
             return
         batch, lr = s.batch_per_device * k, s.lr_per_device * k
         if batch != 256:
-            print(f"not quite: on {k} devices the global batch is {s.batch_per_device} x {k} = "
+            print(f"not quite: {on} the global batch is {s.batch_per_device} x {k} = "
                   f"{batch}; keep it at 256 by giving each device 256 / k examples")
             return
         if abs(lr - 0.1) > 1e-12:
-            print(f"not quite: on {k} devices the learning rate is {s.lr_per_device} x {k} = "
+            print(f"not quite: {on} the learning rate is {s.lr_per_device} x {k} = "
                   f"{lr:g}; train_module multiplies lr_per_device by k, so use 0.1 / k")
             return
     print("correct: the same global batch and learning rate on every device count")
@@ -190,11 +195,12 @@ def check_scatter(scatter: Callable) -> None:
         for n in range(1, 21):
             t = torch.arange(n * 2.0).reshape(n, 2)
             got, want = scatter(t, _devs(k)), t.chunk(k)
+            where = f"{_count(n, 'row')} on {_count(k, 'device')}"
             assert [len(s) for s in got] == [len(c) for c in want], (
-                f"{n} rows on {k} devices: shards of {[len(s) for s in got]}, torch.chunk "
+                f"{where}: shards of {[len(s) for s in got]}, torch.chunk "
                 f"gives {[len(c) for c in want]}")
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (
-                f"{n} rows on {k} devices: the shards are not the rows of t in order")
+                f"{where}: the shards are not the rows of t in order")
     total = sum(s.sum() for s in scatter(X, _devs(3)))
     if total.requires_grad:
         total.backward()
@@ -230,6 +236,11 @@ def check_replicate(replicate: Callable) -> None:
     on_meta = replicate(module, [torch.device("cpu"), torch.device("meta")])[1]
     assert all(t.device.type == "meta" for t in on_meta.values()), (
         "devices cpu, meta: the second state is not on meta; copy each tensor to its device")
+    twice = replicate(module, [torch.device("cpu"), torch.device("cpu")])[1]
+    aliased = [n for n, t in twice.items() if t.data_ptr() == originals[n].data_ptr()]
+    assert not aliased, (
+        f"devices cpu, cpu: device 1's {aliased[0]} is the original itself: t.to(d) returns t "
+        "when t is already on d (chapters 00 and 03); ask .to for copy=True")
     try:
         replicate(nn.Linear(3, 4, device="meta"), [torch.device("cpu")])
     except ValueError:
@@ -300,18 +311,19 @@ def check_parallel_loss(parallel_loss: Callable | None) -> None:
         (want_grad,) = torch.autograd.grad(want, [module.weight])
         with _Gathered(7) as mode:
             got = parallel_loss(module, X, y, _devs(k))
+        where = f"{n} examples on {_count(k, 'device')}"
         if mode.seen:
             return print("not quite: the outputs were gathered (torch.cat); compute each "
                          "shard's loss on its own device and add up the losses")
         if not torch.isclose(got.detach(), want.detach(), rtol=1e-10):
             sizes = [len(s) for s in X.chunk(k)]
-            return print(f"not quite: {n} examples on {k} device(s) (shards {sizes}): loss "
-                         f"{float(got.detach()):.6f}, the batch's mean is {float(want.detach()):.6f}; each "
-                         f"example weighs 1/{n}, whatever its shard")
+            return print(f"not quite: {where} (shards {sizes}): loss {float(got.detach()):.6f}, "
+                         f"the batch's mean is {float(want.detach()):.6f}; each example weighs "
+                         f"1/{n}, whatever its shard")
         (grad,) = (torch.autograd.grad(got, [module.weight], allow_unused=True)
                    if got.requires_grad else (None,))
         if grad is None or not torch.allclose(grad, want_grad, rtol=1e-10, atol=1e-14):
-            return print(f"not quite: {n} examples on {k} device(s): the loss is right but its "
+            return print(f"not quite: {where}: the loss is right but its "
                          "gradient is not; keep the losses in the autograd graph")
     print("correct: summed losses per shard, added on the first device and divided by the "
           "whole batch, with the gradient of one device")
