@@ -126,7 +126,7 @@ def slides_args(args: "list[str]", out_dir: Path = SLIDES_DIR) -> "list[str]":
             "--SlidesExporter.reveal_width=1280",
             "--SlidesExporter.reveal_height=800",
             "--HTMLExporter.embed_images=True",
-            "--SlidesExporter.preprocessors=tools.markers.StripSolutionMarkers",
+            "--SlidesExporter.preprocessors=tools.markers.StripToolLines",
             "--output-dir", str(out_dir), *notebooks]
 
 

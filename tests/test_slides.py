@@ -169,8 +169,11 @@ def test_a_missing_browser_skips_unless_required(monkeypatch, required: str, out
         require_browser()
 
 
-def test_slides_do_not_show_the_student_markers(tmp_path: Path) -> None:
+def test_slides_do_not_show_the_tools_lines(tmp_path: Path) -> None:
+    """Neither nbgrader's solution markers nor nbval's check marker, as on the website."""
     notebook = ROOT / "notebooks" / "04_splitting_minibatches.ipynb"
     assert "### BEGIN SOLUTION" in notebook.read_text()
+    assert "# NBVAL_CHECK_OUTPUT" in notebook.read_text()
     html = build_deck(notebook, tmp_path).read_text()
-    assert "check_split_batch" in html and "BEGIN SOLUTION" not in html
+    assert "check_split_batch" in html
+    assert "BEGIN SOLUTION" not in html and "NBVAL_CHECK_OUTPUT" not in html

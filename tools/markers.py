@@ -1,14 +1,18 @@
-"""nbconvert preprocessor for the rendered chapters: drop the lines that mark a student's part."""
+"""nbconvert preprocessor for the slide decks: drop the lines meant for the tools, as the website's
+pages do (nbgrader's solution markers, nbval's `# NBVAL_CHECK_OUTPUT`)."""
 from nbconvert.preprocessors import Preprocessor
 
 MARKERS = ("### BEGIN SOLUTION", "### END SOLUTION")
+TOOL_LINES = (*MARKERS, "# NBVAL_CHECK_OUTPUT")
 
 
-class StripSolutionMarkers(Preprocessor):
-    """Remove nbgrader's `### BEGIN SOLUTION` / `### END SOLUTION` lines from code cells."""
+class StripToolLines(Preprocessor):
+    """Remove the tools' lines (and the blank lines they leave at the top) from code cells."""
 
     def preprocess_cell(self, cell, resources, index):
         if cell.cell_type == "code":
-            cell.source = "\n".join(line for line in cell.source.split("\n")
-                                    if line.strip() not in MARKERS)
+            lines = [line for line in cell.source.split("\n") if line.strip() not in TOOL_LINES]
+            while lines and not lines[0].strip():
+                lines.pop(0)
+            cell.source = "\n".join(lines)
         return cell, resources
