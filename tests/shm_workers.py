@@ -1,13 +1,15 @@
-"""What test_shm_steps.py launches on every rank; ranks import it from tests/ (pytest's sys.path,
-which a rank inherits)."""
+"""What test_shm_steps.py and test_shm.py launch on every rank; ranks import it from tests/
+(pytest's sys.path, which a rank inherits)."""
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dpcourse.shm import SharedMemoryAllreduce
+from dpcourse.shm import SharedBuffers, SharedMemoryAllreduce
 from dpcourse.shm_steps import SHM_STEPS, PlainBarriers, SpinCounters
 from workers import mapped_segments, no_collectives, own_segments, shm_input
 
@@ -52,3 +54,24 @@ def steps_against_all_reduce(cases: list[tuple], max_bytes: int, passes: int,
                             "records": sum_cases(step.allreduce, factory_cases, 1, False)}
     return {"records": records, "factories": built, "files_while_open": files_while_open,
             "mapped_after_close": mapped_segments()}
+
+
+def voluntary_switches() -> int:
+    """How many times this thread has given up the CPU of its own accord (slept, blocked)."""
+    status = Path("/proc/thread-self/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+def wait_for_a_late_rank(late_s: float) -> dict | None:
+    """Rank 1 arrives late_s seconds late at a wait (_arrive) and returns None; rank 0, waiting
+    for it, returns the wait's wall and CPU seconds and how often its thread slept meanwhile."""
+    with SharedBuffers(1 << 12) as shm:
+        shm._arrive()  # the ranks in step
+        if dist.get_rank() == 1:
+            time.sleep(late_s)
+            shm._arrive()
+            return None
+        switches, wall, cpu = voluntary_switches(), time.monotonic(), time.thread_time()
+        shm._arrive()
+        return {"wall": time.monotonic() - wall, "cpu": time.thread_time() - cpu,
+                "sleeps": voluntary_switches() - switches}

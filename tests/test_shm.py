@@ -3,14 +3,15 @@
 The collective works on the default process group, so each world size (1 to 4) gets one
 launch, which runs every case in turn on one object, then its error cases.
 """
+import os
+
 import pytest
 import torch
 
+import shm_workers
 import workers
 from dpcourse.launch import RankError, launch
 from dpcourse.shm import SharedMemoryAllreduce
-import os
-
 from shm_checks import LaunchedSegments, a_segment_of_another_process, assert_equals_all_reduce
 
 WORLDS = [1, 2, 3, 4]
@@ -109,6 +110,17 @@ def test_a_segment_another_test_holds_meanwhile_is_not_counted_as_this_launchs()
         assert len(launched.pids) == 2 and theirs.exists()
     finally:
         theirs.unlink()
+
+
+def test_a_long_wait_sleeps_instead_of_burning_a_core():
+    """Waiting half a second for a late rank, the thread sleeps again and again and uses at
+    most a quarter of that in CPU time (issue 34: spinning on sched_yield used 98% of a free
+    core, and beside busy programs kept the waiter runnable without ever sleeping)."""
+    wait, _ = launch(shm_workers.wait_for_a_late_rank, 0.5, world_size=2, backend="gloo",
+                     timeout=60)
+    assert wait["wall"] > 0.25  # it did wait for rank 1
+    assert wait["cpu"] < wait["wall"] / 4, wait
+    assert wait["sleeps"] >= 10, wait
 
 
 def test_needs_the_default_process_group():
