@@ -4,6 +4,11 @@ Only the shape of the results is checked (keys, positive finite numbers): speeds
 the machine and its load, and are printed by the benchmark, never asserted.
 """
 import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,6 +66,49 @@ def test_compare_processes_and_threads_gives_images_per_second_of_every_configur
 def test_processes_and_threads_needs_an_even_global_batch():
     with pytest.raises(ValueError, match="even"):
         throughput.compare_processes_and_threads(global_batch=15)
+
+
+def has_ended(pid: int) -> bool:
+    """The process is gone, or a zombie (ended, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until_ended(pids: list[int], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while not all(map(has_ended, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return all(map(has_ended, pids))
+
+
+def test_busy_processes_run_inside_and_are_ended_on_the_way_out_even_on_an_error():
+    with pytest.raises(KeyError), throughput.busy_processes(2) as pids:
+        assert len(set(pids)) == 2 and not any(map(has_ended, pids))
+        raise KeyError("the measurement failed")
+    assert all(map(has_ended, pids))  # ended and waited for: nothing left behind
+    with throughput.busy_processes(0) as none:
+        assert none == []
+    with pytest.raises(ValueError, match="whole number n >= 0"):
+        throughput.busy_processes(-1).__enter__()
+
+
+def test_a_busy_process_ends_by_itself_when_its_parent_is_killed():
+    """The bench's busy processes outlive no bench, even one killed with SIGKILL."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, os, time\n"
+         "child = subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid())])\n"
+         "print(child.pid, flush=True)\ntime.sleep(60)", throughput.BUSY_LOOP],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert not has_ended(child)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        parent.stdout.close()
+    assert wait_until_ended([child])
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 0,

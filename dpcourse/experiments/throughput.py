@@ -6,12 +6,16 @@ that a new process can import them). Inside one launch the variants being compar
 timed with ``timing.alternate``; each figure is a median over the rounds.
 
 The CPU comparisons use gloo on every host; ``gpu_scaling`` compares 1 GPU with k (nccl).
+``busy_processes`` loads the cores meanwhile, to compare them beside other work.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack
+import os
+import subprocess
+import sys
+from contextlib import ExitStack, contextmanager
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,6 +44,29 @@ def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
     """Bytes per second an allreduce of nbytes in seconds moved on each rank's busiest link:
     2(w-1)/w * nbytes / seconds, the convention of NCCL's tests (comparable across w)."""
     return 2 * (world_size - 1) / world_size * nbytes / seconds
+
+
+# A Python loop that keeps a core busy as long as its parent, whose pid it is given, lives.
+BUSY_LOOP = "import os, sys\nwhile os.getppid() == int(sys.argv[1]):\n    pass\n"
+
+
+@contextmanager
+def busy_processes(n: int) -> Iterator[list[int]]:
+    """Inside, n more processes each keep a core busy (their pids are given); all are ended
+    on the way out, and each ends by itself if this process dies first."""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"busy_processes needs a whole number n >= 0, got {n!r}")
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())],
+                                          stdin=subprocess.DEVNULL))
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 # --- allreduce: dist.all_reduce, p2p.allreduce, p2p.ring_allreduce ---------------------------
