@@ -7,9 +7,11 @@ import torch
 
 from dpcourse import elastic
 from dpcourse.elastic import rank_indices, reshard
-from dpcourse.exercises.ch12 import (check_rank_indices, check_reshard, check_resume_point,
-                                     check_samples_per_epoch, samples_per_epoch_reference)
-from dpcourse.fsdp import flat_shard
+from dpcourse.exercises.ch12 import (INTERVAL_CASES, best_interval_reference,
+                                     check_best_interval, check_rank_indices, check_reshard,
+                                     check_resume_point, check_samples_per_epoch, failure_gaps,
+                                     samples_per_epoch_reference, simulated_loss)
+from dpcourse.fsdp import flat_shard, padded_numel
 
 
 def said(capsys) -> str:
@@ -63,8 +65,18 @@ def old_padding_kept(shards, numel, world):
     return [flat_shard(whole, r, world) for r in range(world)]
 
 
-@pytest.mark.parametrize("wrong, reason", [(without_new_padding, "elements, expected padded"),
-                                           (old_padding_kept, "elements, expected padded|strip")])
+def float32_padding(shards, numel, world):
+    whole = torch.cat(shards)[:numel]
+    padded = torch.zeros(padded_numel(numel, world))  # float32, whatever the shards are
+    padded[:numel] = whole
+    return list(padded.chunk(world))
+
+
+@pytest.mark.parametrize("wrong, reason", [
+    (without_new_padding, "elements, expected padded"),
+    (old_padding_kept, "elements, expected padded|strip"),
+    (float32_padding, "shard 0 is torch.float32, the shards are torch.float64: pad with zeros "
+                      "of the shards' dtype")])
 def test_wrong_reshards_are_rejected_with_the_reason(wrong, reason):
     with pytest.raises(AssertionError, match=reason):
         check_reshard(wrong)
@@ -137,7 +149,8 @@ def test_reshard_refuses_shards_shorter_than_the_tensor():
 
 # --- exercises ---
 
-@pytest.mark.parametrize("check", [check_samples_per_epoch, check_resume_point])
+@pytest.mark.parametrize("check", [check_samples_per_epoch, check_resume_point,
+                                   check_best_interval])
 def test_no_answer_is_not_answered_yet(capsys, check):
     check(None)
     assert said(capsys) == "not answered yet\n"
@@ -159,3 +172,52 @@ def test_wrong_exercise_answers_are_told_why(capsys):
     assert "DistributedSampler pads each rank" in said(capsys)
     check_resume_point(lambda s, n, g: (s // (n // g), s % (n // g), s))  # samples per rank?
     assert "each step draws G samples" in said(capsys)
+
+
+def test_the_worked_answers_may_be_lists(capsys):
+    check_samples_per_epoch(lambda n, g, k: [math.ceil(n / k) * k, n // g * g])
+    check_resume_point(lambda s, n, g: [*divmod(s, n // g), s * g])
+    out = said(capsys).splitlines()
+    assert len(out) == 2 and all(line.startswith("correct: ") for line in out)
+
+
+def test_an_answer_of_the_wrong_shape_is_told_the_shape(capsys):
+    check_samples_per_epoch(lambda n, g, k: n // g * g)
+    assert "return two whole numbers, (DistributedSampler's, the global sampler's)" in said(capsys)
+    check_resume_point(lambda s, n, g: (s // (n // g), s % (n // g)))
+    assert "return three whole numbers, (epoch, batches, samples)" in said(capsys)
+
+
+# --- exercise 3: the checkpoint interval ---
+
+def expected_loss(interval, checkpoint_seconds, mtbf_seconds):
+    """The share of time lost under exponential failures, exactly: a run between two failures
+    keeps k intervals with probability q^k (1 - q), q = exp(-(interval + C) / M)."""
+    q = math.exp(-(interval + checkpoint_seconds) / mtbf_seconds)
+    return 1 - interval * q / (mtbf_seconds * (1 - q))
+
+
+@pytest.mark.parametrize("checkpoint_seconds, mtbf_seconds", INTERVAL_CASES)
+def test_the_simulation_is_the_exact_expectation_and_youngs_interval_its_optimum(
+        checkpoint_seconds, mtbf_seconds):
+    gaps = failure_gaps(mtbf_seconds)
+    young = best_interval_reference(checkpoint_seconds, mtbf_seconds)
+    for interval in (young / 2, young, 2 * young):
+        assert simulated_loss(interval, checkpoint_seconds, gaps) == pytest.approx(
+            expected_loss(interval, checkpoint_seconds, mtbf_seconds), rel=5e-3)
+    exact_best = min(expected_loss(young * 2 ** (k / 100), checkpoint_seconds, mtbf_seconds)
+                     for k in range(-100, 101))
+    assert expected_loss(young, checkpoint_seconds, mtbf_seconds) <= 1.005 * exact_best
+
+
+def test_the_interval_checker_accepts_youngs_and_explains_the_usual_slips(capsys):
+    check_best_interval(lambda c, m: math.sqrt(2 * c * m))
+    assert said(capsys).startswith("correct: a 60 s checkpoint, a failure a day: every 54 min")
+    for wrong, reason in [(lambda c, m: math.sqrt(c * m), "costs half an interval of work"),
+                          (lambda c, m: math.sqrt(2 * c * m) / 60, "in seconds"),
+                          (lambda c, m: math.sqrt(2 * c / m), "the interval is M times that"),
+                          (lambda c, m: 2 * c * m, "C / t writing checkpoints"),
+                          (lambda c, m: -1.0, "a number of seconds > 0")]:
+        check_best_interval(wrong)
+        out = said(capsys)
+        assert out.startswith("not quite") and reason in out, out

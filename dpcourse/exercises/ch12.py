@@ -2,16 +2,24 @@
 optimizer state at another world size)."""
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Callable
 
+import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
 from ..fsdp import flat_shard, padded_numel
-from . import answered, is_int, one_line_failure
+from . import answered, is_int, is_number, one_line_failure
 
 INDEX_CASES = [(100, 12, 3), (96, 12, 4), (20, 4, 2), (7, 7, 1)]  # (n, global batch, seed)
 SHARD_CASES = [(10, 3, 2), (10, 2, 4), (7, 1, 3), (9, 4, 1), (12, 4, 3)]  # (numel, k, new k)
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 element', '3 elements': n and the noun, plural unless n is 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def reference_indices(n: int, global_batch: int, world: int, rank: int, step: int,
@@ -75,20 +83,32 @@ def check_reshard(reshard: Callable[[list[torch.Tensor], int, int], list[torch.T
         whole = torch.linspace(-1, 1, numel, dtype=torch.float64) + 0.5
         got = list(reshard([flat_shard(whole, r, before) for r in range(before)], numel, after))
         want = [flat_shard(whole, r, after) for r in range(after)]
-        where = f"{numel} elements, {before} -> {after} ranks"
+        where = f"{numel} elements, from {before} rank{'s' * (before > 1)} to {after}"
         if len(got) != after:
-            raise AssertionError(f"{where}: {len(got)} shards, expected one per new rank: {after}")
+            raise AssertionError(f"{where}: {_count(len(got), 'shard')}, expected one per new "
+                                 f"rank: {after}")
         for r, (mine, right) in enumerate(zip(got, want)):
             if mine.shape != right.shape:
                 raise AssertionError(f"{where}: shard {r} has {mine.numel()} elements, expected "
                                      f"padded_numel({numel}, {after}) // {after} = {len(right)}")
-            if mine.dtype != right.dtype or not torch.equal(mine, right):
+            if mine.dtype != right.dtype:
+                raise AssertionError(f"{where}: shard {r} is {mine.dtype}, the shards are "
+                                     f"{right.dtype}: pad with zeros of the shards' dtype")
+            if not torch.equal(mine, right):
                 raise AssertionError(f"{where}: shard {r} is {mine.tolist()}, expected "
                                      f"{right.tolist()} (strip the old padding, pad with zeros)")
     print(f"correct: 10 elements in 3 shards re-cut for 2 ranks: {[s.tolist() for s in first]}")
 
 
 # --- exercises ---
+
+def _as_tuple(answer: object, count: int) -> tuple | None:
+    """answer as a tuple of count whole numbers (a list or any sequence will do), else None."""
+    if isinstance(answer, Sequence) and not isinstance(answer, str) and len(answer) == count \
+            and all(map(is_int, answer)):
+        return tuple(answer)
+    return None
+
 
 def samples_per_epoch_reference(n: int, global_batch: int, world: int) -> tuple[int, int]:
     """(DistributedSampler's samples per epoch on world ranks, the global sampler's)."""
@@ -106,7 +126,11 @@ def check_samples_per_epoch(samples_per_epoch: Callable[[int, int, int], tuple[i
         return
     for case in EPOCH_CASES:
         got, want = samples_per_epoch(*case), samples_per_epoch_reference(*case)
-        if not (isinstance(got, tuple) and len(got) == 2 and all(map(is_int, got))) or got != want:
+        if _as_tuple(got, 2) is None:
+            print(f"not quite: samples_per_epoch{case} returns {got!r}: return two whole "
+                  "numbers, (DistributedSampler's, the global sampler's), as a tuple or a list")
+            return
+        if _as_tuple(got, 2) != want:
             n, global_batch, world = case
             print(f"not quite: n={n}, G={global_batch}, k={world}: {got!r}, want {want}: "
                   "DistributedSampler pads each rank to ceil(n / k) samples; the global sampler "
@@ -125,8 +149,94 @@ def check_resume_point(resume_point: Callable[[int, int, int], tuple[int, int, i
         per_epoch = n // global_batch
         want = (step // per_epoch, step % per_epoch, step * global_batch)
         got = resume_point(step, n, global_batch)
-        if got != want:
+        if _as_tuple(got, 3) is None:
+            print(f"not quite: resume_point({step}, {n}, {global_batch}) returns {got!r}: return "
+                  "three whole numbers, (epoch, batches, samples), as a tuple or a list")
+            return
+        if _as_tuple(got, 3) != want:
             print(f"not quite: step {step}, n={n}, G={global_batch}: {got!r}, want {want}: "
                   f"an epoch has n // G = {per_epoch} steps; each step draws G samples")
             return
     print("correct: step 130 of n=2048, G=32: epoch 2, skip 2 batches, 4,160 samples seen")
+
+
+# exercise 3: Young's checkpoint interval, checked against failures the checker simulates
+INTERVAL_CASES = [(60.0, 86_400.0), (300.0, 4 * 3_600.0), (10.0, 3_600.0)]  # (C, M) seconds
+LIVES = 100_000  # runs between two failures drawn per case: losses within about 0.1%
+INTERVAL_TOLERANCE = 0.01  # an interval may lose 1% (relative) more than the best one
+
+
+def best_interval_reference(checkpoint_seconds: float, mtbf_seconds: float) -> float:
+    """Young's first-order optimum: sqrt(2 C M) seconds of training between checkpoints."""
+    return math.sqrt(2 * checkpoint_seconds * mtbf_seconds)
+
+
+def failure_gaps(mtbf_seconds: float, seed: int = 0) -> np.ndarray:
+    """LIVES times between two failures, exponential of mean mtbf_seconds."""
+    return np.random.default_rng(seed).exponential(mtbf_seconds, LIVES)
+
+
+def simulated_loss(interval: float, checkpoint_seconds: float, gaps: np.ndarray) -> float:
+    """The share of time a run loses when it writes a checkpoint (checkpoint_seconds) after
+    every `interval` seconds of training and fails after each of gaps: between two failures
+    only the intervals whose checkpoint was written count; the rest is redone."""
+    cycles = np.floor_divide(gaps, interval + checkpoint_seconds)
+    return float(1 - cycles.sum() * interval / gaps.sum())
+
+
+def _simulated_best(checkpoint_seconds: float, gaps: np.ndarray,
+                    around: float) -> tuple[float, float]:
+    """(interval, loss): the least simulated loss on a grid from around / 2 to 2 around."""
+    grid = [around * 2 ** (k / 8) for k in range(-8, 9)]
+    return min(((t, simulated_loss(t, checkpoint_seconds, gaps)) for t in grid),
+               key=lambda pair: pair[1])
+
+
+def _seconds(value: float) -> str:
+    return f"{value:,.0f} s" if value >= 10 else f"{value:.3g} s"
+
+
+def _interval_hint(got: float, checkpoint_seconds: float, mtbf_seconds: float) -> str:
+    """Why an interval loses more time than it must, from the usual slips."""
+    young = best_interval_reference(checkpoint_seconds, mtbf_seconds)
+
+    def near(value: float) -> bool:
+        return abs(got - value) <= 0.02 * value
+    if near(math.sqrt(checkpoint_seconds * mtbf_seconds)):
+        return ("a failure strikes on average halfway through an interval, so it costs half an "
+                "interval of work, not a whole one")
+    if near(young / 60) or near(young / 3600):
+        return "give it in seconds, as C and M are"
+    if near(young / mtbf_seconds):
+        return ("that is sqrt(2 C / M), the share of time lost at the best interval; the "
+                "interval is M times that, in seconds")
+    return ("per second of training a run loses C / t writing checkpoints and, failing every M "
+            "seconds, t / (2 M) redoing work: find the t with the least sum")
+
+
+def check_best_interval(best_interval: Callable[[float, float], float] | None) -> None:
+    """Exercise 3: the checkpoint interval that loses the least time, against a simulation."""
+    if not answered(best_interval):
+        return
+    for checkpoint_seconds, mtbf_seconds in INTERVAL_CASES:
+        got = best_interval(checkpoint_seconds, mtbf_seconds)
+        where = f"C = {checkpoint_seconds:g} s, M = {mtbf_seconds:g} s"
+        if not (is_number(got) and math.isfinite(got) and got > 0):
+            print(f"not quite: {where}: {got!r}: return a number of seconds > 0")
+            return
+        gaps = failure_gaps(mtbf_seconds)
+        best, least = _simulated_best(checkpoint_seconds, gaps,
+                                      best_interval_reference(checkpoint_seconds, mtbf_seconds))
+        loss = simulated_loss(got, checkpoint_seconds, gaps)
+        if loss > (1 + INTERVAL_TOLERANCE) * least:
+            print(f"not quite: {where}: every {_seconds(got)} loses {loss:.2%} of the time in "
+                  f"the simulation, every {_seconds(best)} {least:.2%}: "
+                  + _interval_hint(got, checkpoint_seconds, mtbf_seconds))
+            return
+    checkpoint_seconds, mtbf_seconds = INTERVAL_CASES[0]
+    young = best_interval_reference(checkpoint_seconds, mtbf_seconds)
+    gaps = failure_gaps(mtbf_seconds)
+    losses = [simulated_loss(f * young, checkpoint_seconds, gaps) for f in (0.5, 1, 2)]
+    print(f"correct: a 60 s checkpoint, a failure a day: every {young / 60:.0f} min (sqrt(2 C M)); "
+          f"in the simulation {losses[1]:.1%} of the time lost, {losses[0]:.1%} at half that "
+          f"interval, {losses[2]:.1%} at twice")
