@@ -177,6 +177,12 @@ WRITTEN = {  # file name -> (method source, the check)
         out = regions[self.rank][self.rank][:n]
         torch.add(regions[0][self.rank][:n], regions[1][self.rank][:n], out=out)
 ''', check_reduce, "own part in slices"),
+    "reduce_into_scratch": ('''
+    def _reduce(self, regions, slices):
+        n = slices[self.rank].numel()
+        parts = [s if q == self.rank else regions[q][self.rank][:n] for q, s in enumerate(slices)]
+        regions[self.rank][self.rank][:n].copy_(torch.stack(parts).sum(0))  # the right sums
+''', check_reduce, "made a scratch tensor as large as the slice (with stack)"),
     "gather_own_buffer": ('''
     def _gather(self, regions, slices):
         for q, s in enumerate(slices):

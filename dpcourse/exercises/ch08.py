@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from ..cost_model import AlphaBeta, allreduce_cost, predict_ddp_overhead
 from ..experiments.performance import MIB
@@ -185,6 +186,11 @@ def _inputs(rank: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.
     return torch.randint(-99, 100, (numel,), generator=gen).to(dtype)
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 element', '3 elements': n and the noun, plural unless n is 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _sync(group: dist.ProcessGroup | None) -> None:
     dist.barrier(group=group)
 
@@ -216,8 +222,8 @@ def _check_buffers(shm: SharedBuffers, numel: int, phase: str) -> None:
             want = _expected_region(q, r, numel, shm.world, phase)
             got, n = regions[q][r], want.numel()
             assert torch.equal(got[:n], want) and bool((got[n:] == SENTINEL).all()), (
-                f"{numel} numbers on {shm.world} ranks, after {phase}: region {r} of rank "
-                f"{q}'s buffer {_region_hint(q, r, phase)}")
+                f"{_count(numel, 'number')} on {shm.world} ranks, after {phase}: region {r} of "
+                f"rank {q}'s buffer {_region_hint(q, r, phase)}")
 
 
 def _region_hint(q: int, r: int, phase: str) -> str:
@@ -261,8 +267,10 @@ def check_copy_in(cls: type) -> str:
 
 def check_reduce(cls: type) -> str:
     """On each rank: after the package's copy-in and a wait, your _reduce leaves the sum of
-    slice rank, over the ranks, in region rank of the rank's own buffer, and nothing else."""
+    slice rank, over the ranks, in region rank of the rank's own buffer, and nothing else,
+    without making a tensor as large as the slice (a scratch tensor)."""
     group = _cpu_group()
+    scratch: list[str] = []
     with cls(CHECK_BYTES) as shm:
         for numel in _numels(shm):
             _fresh(shm, group)
@@ -270,13 +278,38 @@ def check_reduce(cls: type) -> str:
             slices, regions = x.tensor_split(shm.world), shm._regions(torch.float32)
             SharedMemoryAllreduce._copy_in(shm, regions, slices)
             _sync(group)
-            shm._reduce(regions, slices)
+            with _NewTensors(slices[shm.rank].numel()) as made:
+                shm._reduce(regions, slices)
+            scratch += made.names
             assert torch.equal(x, _inputs(shm.rank, numel)), (
                 "_reduce changed the tensor: the sum goes into the buffer, not the slice")
             _sync(group)
             _check_buffers(shm, numel, "reduce")
+    assert not scratch, (
+        f"the sums are right, but _reduce made a scratch tensor as large as the slice "
+        f"(with {scratch[0]}): sum straight into regions[self.rank][self.rank][:n], "
+        "torch.add(a, b, out=that region), then += the other parts")
     return (f"_reduce is right: on {dist.get_world_size()} ranks region r of rank r's "
                 "buffer holds the sum of slice r, and nothing else changed")
+
+
+class _NewTensors(TorchFunctionMode):
+    """Inside: the torch functions that returned a tensor of at least numel elements (numel
+    > 0) in storage of its own, not a view of their inputs or an out= argument."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.names = numel, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {t.untyped_storage().data_ptr() for t in [*args, *kwargs.values()]
+                 if isinstance(t, torch.Tensor)}
+        if (isinstance(out, torch.Tensor) and 0 < self.numel <= out.numel()
+                and out.untyped_storage().data_ptr() not in given):
+            self.names.append(getattr(func, "__name__", str(func)))
+        return out
 
 
 def check_gather(cls: type) -> str:
@@ -298,8 +331,8 @@ def check_gather(cls: type) -> str:
             wrong = [q for q, (a, b) in enumerate(zip(slices, want.tensor_split(shm.world)))
                      if not torch.equal(a, b)]
             assert not wrong, (
-                f"{numel} numbers on {shm.world} ranks: slice {wrong[0]} of the tensor is not "
-                f"dist.all_reduce's sum: copy region {wrong[0]} of rank {wrong[0]}'s buffer "
+                f"{_count(numel, 'number')} on {shm.world} ranks: slice {wrong[0]} of the tensor "
+                f"is not dist.all_reduce's sum: copy region {wrong[0]} of rank {wrong[0]}'s buffer "
                 f"(regions[{wrong[0]}][{wrong[0]}]) into it")
     return (f"_gather is right: on {dist.get_world_size()} ranks every tensor holds "
                 "dist.all_reduce's sum")
