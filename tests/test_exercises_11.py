@@ -36,7 +36,8 @@ MISTAKES = """
 import torch
 import torch.distributed as dist
 
-from dpcourse.compression import _done, low_rank_averages as right_low_rank
+from dpcourse.compression import _done, approximations, chain, low_rank_averages as right_low_rank
+from dpcourse.compression import summed
 from dpcourse.local_sgd import DiLoCo
 
 
@@ -80,6 +81,28 @@ def summing_low_rank(state, params, grads):
 
 def blocking_low_rank(state, params, grads):  # right, but returns what the future holds
     return right_low_rank(state, params, grads).wait()
+
+
+def low_rank_qr(orthonormalise_sum, orthonormalise_each):
+    def low_rank(state, params, grads):  # the package's, with the QR where the flags say
+        world = dist.get_world_size()
+        Ms = [g + state.errors[p] if p in state.errors else g.clone()
+              for p, g in zip(params, grads)]
+        qs = [state.qs[p] if p in state.qs else state.initial_q(g, min(state.matrix_rank, *g.shape))
+              for p, g in zip(params, grads)]
+
+        def send_qs(sums):
+            ps = [torch.linalg.qr(p).Q if orthonormalise_sum else p for p in sums]
+            return summed([M.T @ p / world for M, p in zip(Ms, ps)]).then(
+                lambda arrived: approximations(state, params, Ms, ps, arrived.value()))
+        each = [M @ q for M, q in zip(Ms, qs)]
+        return chain(summed([torch.linalg.qr(p).Q for p in each] if orthonormalise_each
+                            else each), send_qs)
+    return low_rank
+
+
+no_qr_low_rank = low_rank_qr(False, False)
+qr_before_sum_low_rank = low_rank_qr(False, True)
 
 
 def forgetful_low_rank(state, params, grads):
@@ -146,6 +169,10 @@ def test_the_rank_checks_say_what_is_wrong(tmp_path):
              (check_low_rank_average, "summing_low_rank"): "the ranks' sum",
              (check_low_rank_average, "blocking_low_rank"): "return a future of the approx",
              (check_low_rank_average, "forgetful_low_rank"): r"step 1: .*state.errors",
+             (check_low_rank_average, "no_qr_low_rank"): "full rank .*: P was not "
+             r"orthonormalised: .* torch.linalg.qr\(p\).Q of each sum",
+             (check_low_rank_average, "qr_before_sum_low_rank"): "each rank orthonormalised "
+             "its own P before the all_reduce",
              (check_sync, "SummingDiLoCo"): "sum of the pseudo-gradients",
              (check_sync, "FromCurrentDiLoCo"): "copy the round's start"}
     lines = launch(rank_messages, str(path), list(cases), backend="gloo", timeout=180)[0]

@@ -180,12 +180,30 @@ def _reference(grads: list[torch.Tensor], q: torch.Tensor) -> tuple[torch.Tensor
     return p @ q.T, q
 
 
-def _low_rank_hint(want: torch.Tensor, got: torch.Tensor, world: int) -> str:
-    """Why an approximation differs from one power iteration's, from the usual mistakes."""
+def _low_rank_hint(want: torch.Tensor, got: torch.Tensor, ms: list[torch.Tensor],
+                   q: torch.Tensor) -> str:
+    """Why an approximation differs from one power iteration's on the ranks' matrices ms from
+    q, from the usual mistakes."""
+    world = len(ms)
     if max_relative_difference([got], [world * want]) <= 1e-10:
         return "it is the ranks' sum: divide Q by the world size before its all_reduce"
+    if max_relative_difference([got], [_iteration(ms, q, orthonormal=False)]) <= 1e-10:
+        return ("P was not orthonormalised: once the P's have arrived, take "
+                "torch.linalg.qr(p).Q of each sum before computing Q = M^T P / world")
+    if max_relative_difference([got], [_iteration(ms, q, orthonormal=False, each=True)]) <= 1e-10:
+        return ("each rank orthonormalised its own P before the all_reduce, and a sum of "
+                "orthonormal matrices is not orthonormal: orthonormalise the sum, after it")
     return ("not one power iteration of the average: P = M Q, all_reduce P, orthonormalise it "
             "(torch.linalg.qr(p).Q), Q = M^T P divided by the world size, all_reduce Q, P Q^T")
+
+
+def _iteration(ms: list[torch.Tensor], q: torch.Tensor, orthonormal: bool = True,
+               each: bool = False) -> torch.Tensor:
+    """P Q^T of one power iteration on the ranks' matrices ms from q, P orthonormalised
+    after the sum (orthonormal) and/or on each rank before it (each)."""
+    ps = [torch.linalg.qr(m @ q).Q if each else m @ q for m in ms]
+    p = torch.linalg.qr(sum(ps)).Q if orthonormal else sum(ps)
+    return p @ (sum(m.T @ p for m in ms) / len(ms)).T
 
 
 def _one(future: Any, count: int = 1) -> Any:
@@ -218,7 +236,8 @@ def check_low_rank_average(fn: Callable[[PowerSGDState, list[torch.Tensor], list
         f"the approximation P Q^T, shaped like grad ({n} x {m})")
     assert max_relative_difference([got], [exact]) <= 1e-12, (
         "at full rank (matrix_rank clamped to min(n, m)) the result is not the exact average: "
-        + _low_rank_hint(exact, got, world))
+        + _low_rank_hint(exact, got, [_matrices(r, (n, m), 0) for r in range(world)],
+                         state.initial_q(exact, min(n, m))))
     assert state.bytes_sent == 8 * min(n, m) * (n + m), (
         f"bytes_sent is {state.bytes_sent} after one call at rank {min(n, m)} (clamped), want "
         f"{8 * min(n, m) * (n + m)}: add p.nbytes + q.nbytes, with the rank min(r, n, m)")
@@ -227,11 +246,12 @@ def check_low_rank_average(fn: Callable[[PowerSGDState, list[torch.Tensor], list
     for step in range(3):
         grads = [_matrices(r, (n, m), step) for r in range(world)]
         ms = [g + e for g, e in zip(grads, errors)]
+        q_before = q
         want, q = _reference(ms, q)
         errors = [mat - want for mat in ms]
         got = _one(fn(state, [param], [grads[rank].clone()]))
         if max_relative_difference([got], [want]) > 1e-10:
-            assert step > 0, f"matrix rank 2: {_low_rank_hint(want, got, world)}"
+            assert step > 0, f"matrix rank 2: {_low_rank_hint(want, got, ms, q_before)}"
             raise AssertionError(
                 f"matrix rank 2, step {step}: not the power iteration on grad + state.errors[param] "
                 "(what was not sent yet), started from state.qs[param] (the last step's Q)")
