@@ -279,6 +279,11 @@ def _every_step_adds(n: int, world: int) -> list[torch.Tensor]:
     return [torch.cat(h) for h in held]
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 element', '3 elements': n and the noun, plural unless n is 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def check_plain_ring(ring: Callable[[torch.Tensor], int]) -> str:
     """On each rank: your plain_ring_allreduce sums int64 tensors of several sizes in place,
     with send and receive only, and returns the elements this rank sent."""
@@ -294,10 +299,10 @@ def check_plain_ring(ring: Callable[[torch.Tensor], int]) -> str:
                 "receive, not add to it" if torch.equal(mine, _every_step_adds(n, world)[rank])
                 else "")
         assert len(wrong) == 0, (
-            f"{n} elements: element {wrong[0].item()} is {mine[wrong[0]].item()}, "
+            f"{_count(n, 'element')}: element {wrong[0].item()} is {mine[wrong[0]].item()}, "
             f"the sum over the ranks is {want[wrong[0]].item()}{slip}")
         should = ring_sent_reference(n, world, rank)
-        assert sent == should, (f"{n} elements: returns {sent!r} elements sent, but "
+        assert sent == should, (f"{_count(n, 'element')}: returns {sent!r} elements sent, but "
                                 f"the chunks it sent hold {should}")
     return (f"plain_ring_allreduce is right: the sum on {world} ranks for 0 to 3001 elements, "
             "send and receive only, and the elements each rank sent")
@@ -405,14 +410,14 @@ def _check_ddp_steps(cls: type, what: str) -> None:
         found = _scratch_steps(cls, cap)
         buckets = found["buckets"]
         for step in found["steps"]:
-            assert step["finished"], ("backward ended but _finish never ran: queue it once per "
-                                      "backward with queue_callback in _grad_ready")
+            assert step["finished"], ("backward ended but _finish never ran: the given "
+                                      "_queue_finish() queues it once per backward")
             assert not step["futures left"], (
                 f"{step['futures left']} buckets still hold a future after backward: set "
                 "bucket.future = None once its average is written")
             order = [c[0] for c in step["calls"]]
             assert order == list(range(len(buckets))), (
-                f"{len(buckets)} buckets: the comm hook got buckets {order} in one "
+                f"{_count(len(buckets), 'bucket')}: the comm hook got buckets {order} in one "
                 f"backward; want each once, in index order {list(range(len(buckets)))}")
             for i, flat, params, last in step["calls"]:
                 assert len(params) == len(buckets[i]) and all(
@@ -427,7 +432,7 @@ def _check_ddp_steps(cls: type, what: str) -> None:
                     f"bucket {i}'s buffer is not this rank's finished gradients "
                     "of its parameters, flattened in order (launched before they were ready?)")
             assert step["launched in backward"] == len(buckets), (
-                f"{len(buckets)} buckets: only {step['launched in backward']} "
+                f"{_count(len(buckets), 'bucket')}: only {step['launched in backward']} "
                 "launched while backward ran; launch each as soon as it and those before it "
                 "are ready")
         difference = max_relative_difference(found["got"], found["global"])

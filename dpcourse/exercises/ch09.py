@@ -22,6 +22,11 @@ GPUS, GPU_BYTES = 8, 80 * 10**9
 MIXED = {"param_bytes": 2, "grad_bytes": 2, "state_bytes": 12}
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 element', '3 elements': n and the noun, plural unless n is 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def largest_model(stage: str, gpus: int = GPUS, gpu_bytes: float = GPU_BYTES,
                   **widths: int) -> float:
     """Parameters whose model states (mixed-precision Adam unless widths say otherwise) just
@@ -259,8 +264,9 @@ def check_share_parameters(cls: type) -> str:
             "_share_parameters: every rank in turn broadcasts its shard (src=that rank) and "
             "the others copy it into their parameters")
     assert len(calls) <= len(kinds), (
-        f"{len(calls)} broadcasts for {len(kinds)} (owner, dtype) pairs: send each owner's "
-        "shard as one flat buffer per dtype (torch.cat of the flattened parameters)")
+        f"{_count(len(calls), 'broadcast')} for {_count(len(kinds), '(owner, dtype) pair')}: "
+        "send each owner's shard as one flat buffer per dtype (torch.cat of the flattened "
+        "parameters)")
     return (f"_share_parameters is right: on {dist.get_world_size()} ranks every parameter "
                 "holds its owner's values, one broadcast per owner and dtype")
 
@@ -332,7 +338,8 @@ def check_reduce_scatter_hook(hook: Callable) -> str:
                 finally:
                     dist.reduce_scatter = reduce_scatter
                 assert len(calls) == len(ddp.buckets), (
-                    f"{len(calls)} calls of dist.reduce_scatter for {len(ddp.buckets)} buckets: "
+                    f"{_count(len(calls), 'call')} of dist.reduce_scatter for "
+                    f"{_count(len(ddp.buckets), 'bucket')}: "
                     "reduce-scatter each bucket once (no allreduce)")
                 for i, (p, r) in enumerate(zip(model.parameters(), whole.parameters())):
                     if opt.owner(p) != rank:
