@@ -4,8 +4,9 @@
 loop ``out = model(x); loss.backward(); opt.step()``: rank 0's parameters and buffers are
 broadcast at construction, and gradients are averaged across ranks in buckets whose
 allreduce starts, asynchronously, as soon as the bucket's last gradient is ready - while
-backward goes on. When ``backward()`` returns, every gradient is synchronised. How a bucket
-is averaged is a communication hook (``register_comm_hook``, torch DDP's own seam).
+backward goes on. When ``backward()`` returns, every gradient is synchronised, activation
+checkpointing or not. How a bucket is averaged is a communication hook
+(``register_comm_hook``, torch DDP's own seam).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm_hooks import allreduce_hook
 
@@ -127,18 +129,20 @@ class ScratchDDP(nn.Module):
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; the next backward synchronises unless inside no_sync(). A forward
-        without gradients (an evaluation) leaves the pending backward's state alone."""
+        """Run the module; the next backward synchronises unless inside no_sync(), and its
+        end is queued from the output. A forward without gradients (an evaluation) leaves
+        the pending backward's state alone."""
         if not torch.is_grad_enabled():  # as torch: no backward follows, nothing to prepare
             return self.module(*args, **kwargs)
         if self.broadcast_buffers and self._buffers_behind and self.world > 1:
             with torch.no_grad():  # as torch: when the last training forward synchronised
                 for b in self.module.buffers():
                     dist.broadcast(b, src=0)
-        self._syncing = self.require_backward_grad_sync and self.world > 1
+        self._syncing = self.require_backward_grad_sync  # a world of 1 too: its hook runs
         self._buffers_behind = self._syncing
         self._reset()
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        return _through_end_of_backward(out, self) if self._syncing else out
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -172,6 +176,7 @@ class ScratchDDP(nn.Module):
         for b in self.buckets:
             b.ready, b.future, b.times = 0, None, {}
         self._next, self._callback_queued, self.launched_in_backward = 0, False, 0
+        self._ready: set[nn.Parameter] = set()  # the parameters marked ready so far
 
     # --- during backward ---
 
@@ -179,13 +184,29 @@ class ScratchDDP(nn.Module):
         """Post-accumulate-grad hook: param's gradient is final for this backward."""
         if not self._syncing:
             return
-        if not self._callback_queued:  # runs once backward has finished
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
+        self._queue_finish()  # if forward's _EndOfBackward has not: backward skipped the output
+        self._note_ready(param)
         self.buckets[self._where[param]].ready += 1
         while (self._next < len(self.buckets)
                and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
             self._launch(self._next)
+
+    def _queue_finish(self) -> None:
+        """Once per backward: have autograd call _finish when the backward running now ends."""
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+
+    def _note_ready(self, param: nn.Parameter) -> None:
+        """Note that param's gradient is final; raise if it already was in this backward."""
+        if param in self._ready:  # its bucket may have gone with a part of its gradient
+            name = next(n for n, p in self.module.named_parameters() if p is param)
+            raise RuntimeError(
+                f"ScratchDDP: parameter {name} got its gradient twice in one "
+                "backward (a block checkpointed with use_reentrant=True and run twice "
+                "backpropagates twice): not supported, as in torch's DDP; checkpoint it "
+                "with use_reentrant=False")
+        self._ready.add(param)
 
     def _launch(self, i: int) -> None:
         """Hand bucket i to the comm hook (a parameter without gradient counts as zeros)."""
@@ -207,6 +228,34 @@ class ScratchDDP(nn.Module):
             _write_average(self._hook, i, bucket, bucket.future.wait())
             bucket.future = None
         self._syncing = False
+
+
+class _EndOfBackward(torch.autograd.Function):
+    """Copies of the forward's output tensors; backward through them starts in the loss's
+    backward, where it queues ScratchDDP's end of backward (not in a backward nested inside,
+    as a reentrant activation checkpoint's, which ends before earlier layers' gradients)."""
+
+    @staticmethod
+    def forward(ctx: Any, ddp: "ScratchDDP", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.ddp = ddp
+        ctx.set_materialize_grads(False)
+        return tuple(t.clone() for t in tensors)  # not views: the caller may change them
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.ddp._queue_finish()
+        return (None, *grads)
+
+
+def _through_end_of_backward(out: Any, ddp: "ScratchDDP") -> Any:
+    """out with its tensors that require grad passed through _EndOfBackward."""
+    leaves, spec = tree_flatten(out)
+    where = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if where:
+        copies = _EndOfBackward.apply(ddp, *(leaves[i] for i in where))
+        for i, copy in zip(where, copies):
+            leaves[i] = copy
+    return tree_unflatten(leaves, spec)
 
 
 def _write_average(hook: Hook, i: int, bucket: Bucket, averaged: Any) -> None:

@@ -14,8 +14,9 @@ re-gathers. ``model.timeline`` records what ran when and the bytes sent; ``close
 ``with`` block) removes the hooks and ends the helper thread.
 
 Supported: every rank runs the same units in the same order; a unit's parameters are used
-only inside its own forward (called as ``unit(x)``); a parameter belongs to one unit (the
-innermost listed); frozen parameters and buffers stay whole on every rank (rank 0's, sent at
+only inside its own forward (called as ``unit(x)``), which activation checkpointing may run
+again in backward (reentrant or not; a recomputed unit is gathered again); a parameter
+belongs to one unit (the innermost listed); frozen parameters and buffers stay whole on every rank (rank 0's, sent at
 wrap time; buffers a forward changes stay per rank, as in torch's FSDP). The shards keep the
 parameters' dtype; with ``compute_dtype`` (say bfloat16) the shards are cast before each
 all-gather and the frozen parameters for each forward (as FSDP2 casts every parameter it
@@ -185,12 +186,20 @@ class ScratchFSDP(nn.Module):
         self._thread = HelperThread()  # runs the ring, or waits for a reduce-scatter
         self.timeline = Timeline()  # what ran when, the bytes sent: for figures and tests
 
+    def _check_open(self, what: str) -> None:
+        """Raise, saying what works instead, if close() has run."""
+        if self._closed:
+            raise RuntimeError(
+                f"ScratchFSDP: {what} after the wrapper is closed (close() or the end of its "
+                "with block), which ended its helper thread and removed its hooks; its module "
+                "holds no parameters (they live in the shards). Run every forward and backward "
+                "before closing; to train on, load full_state_dict() (on every rank, before or "
+                "after closing) into a new copy of the model and wrap that")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module (frozen parameters and the inputs in compute_dtype too); autograd
         keeps notes instead of the gathered parameters."""
-        if self._closed:
-            raise RuntimeError("ScratchFSDP: this wrapper is closed (close() or the end of its "
-                               "with block): wrap the module in a new one to go on")
+        self._check_open("a forward")
         self._running, self._in_forward, self._callback_queued = [], True, False
         self.timeline.clear()
         try:
@@ -257,14 +266,13 @@ class ScratchFSDP(nn.Module):
 
     def _before_unit(self, unit: Unit, module: nn.Module, args: tuple,
                      kwargs: dict) -> tuple[tuple, dict]:
-        """Forward pre-hook: gather unit, prefetch the next, point the module at the views."""
-        if not self._in_forward:
-            raise RuntimeError(f"ScratchFSDP: unit {unit.name} was called outside the "
-                               "wrapper's forward; call the wrapper (model(x)), which gathers "
-                               "each unit as it runs")
+        """Forward pre-hook: gather unit, prefetch the next, point the module at the views
+        (also when backward recomputes the unit for activation checkpointing)."""
+        recomputing = self._recomputing(unit)
         full = _GatherUnit.apply(unit.shard, self, unit)
-        self._running.append(unit)
-        self._prefetch(unit, 1)
+        if not recomputing:
+            self._running.append(unit)
+            self._prefetch(unit, 1)
         for owners, view in zip(unit.owners, unflatten(full, unit.shapes)):
             for owner, attr, _ in owners:
                 setattr(owner, attr, view)
@@ -276,6 +284,23 @@ class ScratchFSDP(nn.Module):
         """Forward hook: free unit's full parameters."""
         self.timeline.computed("forward", unit)
         self._free(unit)
+
+    def _recomputing(self, unit: Unit) -> bool:
+        """Whether unit runs because backward recomputes it (activation checkpointing); an
+        error if it runs outside the wrapper's forward and backward, or if its frozen
+        parameters would be recomputed without the compute_dtype cast forward gave them."""
+        if self._in_forward:
+            return False
+        if torch._C._current_graph_task_id() == -1:  # not inside a backward either
+            raise RuntimeError(f"ScratchFSDP: unit {unit.name} was called outside the "
+                               "wrapper's forward; call the wrapper (model(x)), which gathers "
+                               "each unit as it runs")
+        if self.compute_dtype is not None and any(
+                p.is_floating_point() for p in unit.module.parameters()):
+            raise RuntimeError(f"ScratchFSDP: unit {unit.name}, which holds frozen parameters, "
+                               "recomputed by activation checkpointing with compute_dtype: not "
+                               "supported (the recompute would not cast them as forward did)")
+        return True
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         """What autograd saves: a note in place of a view of gathered parameters."""
@@ -290,6 +315,7 @@ class ScratchFSDP(nn.Module):
         """What backward gets back: the saved tensor, or the noted view re-gathered."""
         if isinstance(saved, torch.Tensor):
             return saved
+        self._check_open("a backward")
         unit, shape, stride, offset = saved
         self._queue_finish()
         full = self._gathered(unit)
@@ -298,6 +324,7 @@ class ScratchFSDP(nn.Module):
 
     def _reduce_scatter(self, unit: Unit, grad_full: torch.Tensor) -> None:
         """Start summing unit's gradient into this rank's slice of it; free the parameters."""
+        self._check_open("a backward")
         self._queue_finish()
         self._free(unit)
         grad = grad_full.detach().contiguous()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from dpcourse.compression import PowerSGDState, bf16_hook, powersgd_hook
 from dpcourse.ddp import ScratchDDP
@@ -31,11 +32,13 @@ WIDTH = 8
 
 class Net(nn.Module):
     """A drawn model: a Linear or Conv body (BatchNorm and dropout optional), a layer called
-    once or twice, a layer a step may skip (no gradient there), and a head."""
+    once or twice, a layer a step may skip (no gradient there), and a head; one of them
+    (checkpointed) may run under activation checkpointing (reentrant or not)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         super().__init__()
         bias, self.twice = spec["bias"], spec["twice"]
+        self.checkpoint_mode, self.checkpointed = spec["checkpoint"], spec["checkpointed"]
         if spec["conv"]:
             norm = [nn.BatchNorm2d(3)] if spec["batchnorm"] else []
             body = [nn.Conv2d(2, 3, 3, padding=1, bias=bias), *norm, nn.Tanh(), nn.Flatten(),
@@ -51,12 +54,18 @@ class Net(nn.Module):
             params[spec["frozen"] % len(params)].requires_grad_(False)
 
     def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
-        h = torch.tanh(self.shared(self.body(x)))
+        h = torch.tanh(self.block("shared", self.block("body", x)))
         if self.twice:
-            h = torch.tanh(self.shared(h))
+            h = torch.tanh(self.block("shared", h))
         if not skip:
-            h = h + torch.tanh(self.sometimes(h))
-        return self.head(h)
+            h = h + torch.tanh(self.block("sometimes", h))
+        return self.block("head", h)
+
+    def block(self, name: str, h: torch.Tensor) -> torch.Tensor:
+        """The child name on h; under activation checkpointing if it is the drawn one."""
+        if name != self.checkpointed or self.checkpoint_mode is None:
+            return getattr(self, name)(h)
+        return checkpoint(getattr(self, name), h, use_reentrant=self.checkpoint_mode == "reentrant")
 
 
 def build_net(spec: dict[str, Any], seed: int, dtype: torch.dtype) -> Net:
@@ -104,6 +113,9 @@ class Side:
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.net().state_dict().items()}
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {name: b.detach().clone() for name, b in self.net().named_buffers()}
+
     def net(self) -> nn.Module:
         return self.model.module
 
@@ -133,6 +145,11 @@ class ScratchDDPSide(Side):
 
 class TorchDDPSide(ScratchDDPSide):
     def wrap(self, net: Net) -> nn.Module:
+        if self.case["unused"] and net.checkpoint_mode == "reentrant":
+            # find_unused_parameters walks the forward's graph, where a reentrant checkpoint
+            # leaves none of its parameters (its forward ran without grad): they would be
+            # marked ready twice, and torch refuses. The same gradients, recomputed otherwise:
+            net.checkpoint_mode = "non_reentrant"
         model = DistributedDataParallel(net, find_unused_parameters=self.case["unused"])
         register_hook(model, self)
         return model
@@ -263,22 +280,27 @@ PAIRS = {"ddp": ("scratch_ddp", "torch_ddp"), "hooks": ("scratch_ddp", "torch_dd
 # --- running a case ---
 
 def run_events(kind: str, case: dict) -> dict[str, Any]:
-    """The case's steps under SIDES[kind]: each step's gradients before the optimizer step,
-    and the final state; {"error": ...} if it raised."""
+    """The case's steps under SIDES[kind]: each step's gradients before the optimizer step
+    (under bfloat16 with the scale of their terms) and buffers after it, and the final state;
+    {"error": ...} if it raised."""
     try:
         side = SIDES[kind](case, seed=case["seed"] + _init_offset(case))
-        grads = []
+        grads, buffers, scales = [], [], []
+        bf16 = case.get("bf16") or case.get("hook") == "bf16"
         for step, events in enumerate(case["steps"]):
+            if bf16:
+                scales.append(rounded_terms(side, case, step, events))
             torch.manual_seed(case["seed"] * 7_919 + dist.get_rank() * 101 + step)  # dropout
             run_step(side, case, step, events)
             grads.append(side.named_grads())
             side.opt.step()
+            buffers.append(side.buffers())
             if step == case.get("resume_after"):
                 saved = side.checkpoint()
                 side = SIDES[kind](case, seed=case["seed"] + 1 + _init_offset(case))
                 side.restore(saved)
-        return {"grads": grads, "state": side.state(),
-                "buffers": [name for name, _ in side.net().named_buffers()]}
+        return {"grads": grads, "buffers": buffers, "scales": scales,
+                "state": side.state(), "buffer_names": list(side.buffers())}
     except Exception as error:  # noqa: BLE001 - compared with the other side's refusal
         return {"error": f"{type(error).__name__}: {error}"}
 
@@ -302,6 +324,28 @@ def run_step(side: Side, case: dict, step: int, events: dict) -> None:
             if micro["extra"] is not None:
                 extra_forward(side.model, x, micro["extra"])
             loss.backward()
+
+
+def rounded_terms(side: Side, case: dict, step: int, events: dict) -> dict[str, float]:
+    """Under bfloat16, the scale of what step's averaged gradients sum: for each parameter,
+    the largest element of each rank's gradient of each micro-batch, summed, over the world
+    size (each is rounded to bfloat16 before or while it is summed; terms that cancel leave a
+    sum smaller than their roundings). Computed in float64 on a plain copy of the weights,
+    its random draws apart."""
+    plain = build_net(case["model"], 0, torch.float64)
+    plain.load_state_dict(side.state())
+    names = [name for name, p in plain.named_parameters() if p.requires_grad]
+    scales = torch.zeros(len(names), dtype=torch.float64)
+    with torch.random.fork_rng(devices=[]):
+        for i, micro in enumerate(events["micro"]):
+            x, y = batch(case, step, i, torch.float64)
+            plain.zero_grad(set_to_none=True)
+            F.cross_entropy(plain(x, skip=micro["skip"][dist.get_rank()]), y).backward()
+            scales += torch.tensor([0.0 if p.grad is None else p.grad.abs().max().item()
+                                    for p in (plain.get_parameter(n) for n in names)],
+                                   dtype=torch.float64)
+    dist.all_reduce(scales)
+    return dict(zip(names, (scales / dist.get_world_size()).tolist()))
 
 
 def extra_forward(model: nn.Module, x: torch.Tensor, kind: str) -> None:
@@ -340,12 +384,27 @@ def train_and_resume(cases: list[dict], folder: str) -> list[dict] | None:
     return out
 
 
+def train_elastic(case: dict, folder: str, part: str) -> None:
+    """The elastic case's runs on this world: "whole and stopped" trains it uninterrupted and
+    to its stop; "resumed" goes on from the stop's checkpoint (written on another world)."""
+    whole, parted = Path(folder) / "whole.pt", Path(folder) / "parted.pt"
+    runs = ([(case["steps"], whole), (case["stop"], parted)] if part == "whole and stopped"
+            else [(case["steps"], parted)])
+    for steps, path in runs:
+        case_ = {**case, "batch_size": None, "dropout": 0.0,
+                 "mode": [*case["mode"], "--global-batch-size", str(case["global_batch_size"]),
+                          "--dtype", "float64", "--momentum", "0.9"]}
+        train_run(case_, steps, path, process_seed=0)
+        dist.barrier()
+
+
 def train_run(case: dict, steps: int, checkpoint: Path, process_seed: int) -> None:
     """python -m dpcourse.train_ddp as case says, in this rank, for steps steps in total,
     resuming from checkpoint if it exists, as a fresh process would (its generator seeded)."""
     from dpcourse import train_ddp
-    argv = ["--data", "synthetic", "--train-size", str(case["train_size"]), "--batch-size",
-            str(case["batch_size"]), "--epochs", str(case["steps"]), "--steps", str(steps),
+    batch = [] if case["batch_size"] is None else ["--batch-size", str(case["batch_size"])]
+    argv = ["--data", "synthetic", "--train-size", str(case["train_size"]), *batch,
+            "--epochs", str(case["steps"]), "--steps", str(steps),
             "--seed", str(case["seed"]), "--checkpoint", str(checkpoint), *case["mode"]]
     torch.manual_seed(process_seed)
     if hasattr(train_ddp.parse_args([]), "dropout"):

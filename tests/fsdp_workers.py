@@ -310,11 +310,24 @@ def close_checks() -> dict[str, Any]:
                 model(x)
             except RuntimeError as error:
                 out[way]["after close"] = str(error)
+            try:
+                model.load_full_state_dict(out[way]["state"])  # the shards are still there
+                fresh = small_net(rank).double()
+                fresh.load_state_dict(model.full_state_dict())
+                out[way]["fresh copy"] = fresh.state_dict()
+            except RuntimeError as error:
+                out[way]["fresh copy"] = str(error)
             alive = weakref.ref(model)
             del model
             out[way]["freed"] = alive() is None
     finally:
         gc.enable()
+    with ScratchFSDP(small_net(rank).double()) as model:
+        loss = F.cross_entropy(model(x), y)
+    try:
+        loss.backward()  # the with block has ended
+    except RuntimeError as error:
+        out["backward after with"] = str(error)
     return out
 
 
@@ -340,9 +353,23 @@ def error_checks() -> dict[str, str]:
     return errors
 
 
+def accumulation_checks() -> dict[str, torch.Tensor]:
+    """Two micro-batches' backwards (global batches 0 and 1), then one SGD step of lr 1: the
+    update, which is the sum of the two averaged gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ScratchFSDP(small_net(rank).double())
+    before, opt = model.full_state_dict(), torch.optim.SGD(model.parameters(), lr=1.0)
+    for step in (0, 1):
+        x, y = batch(step, rank, world)
+        F.cross_entropy(model(x), y).backward()
+    opt.step()
+    return sgd_update(model, before)
+
+
 def extra_checks() -> dict[str, Any]:
     """Everything but training, in one launch."""
-    return {"bf16": bf16_checks(), "bf16 ring": bf16_checks(ring=True),
+    return {"accumulated": accumulation_checks(),
+            "bf16": bf16_checks(), "bf16 ring": bf16_checks(ring=True),
             "bf16 frozen": attempt(bf16_checks, False, "frozen"),
             "bf16 frozen ring": attempt(bf16_checks, True, "frozen"),
             "clip": {m: clip_checks(m) for m in (0.05, 100.0)},

@@ -181,3 +181,20 @@ def test_a_forward_between_forward_and_backward_changes_no_training_as_in_torch_
             for key, value in reference.items():
                 torch.testing.assert_close(state[key], value, rtol=0, atol=1e-12,
                                            msg=f"{ddp}, {name}: {key}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_activation_checkpointing_of_any_block_trains_like_one_process(world):
+    """A reentrant checkpoint backpropagates its block in a backward of its own, nested in
+    the loss's: on the last block, the gradients of the layers before it arrive after that
+    one ends (issue 34: ScratchDDP ended its backward there, averaging zeros for them, and
+    the ranks kept their own). Float64, within 1e-12."""
+    modes, blocks = ["reentrant", "non_reentrant"], ["first", "middle", "head"]
+    reference = workers.train_checkpointed(workers.CheckpointedNet(None, "", seed=0), 0, 1)
+    runs = launch(workers.scratch_ddp_under_checkpointing, modes, blocks, world_size=world,
+                  backend="gloo", timeout=60)
+    for rank, states in enumerate(runs):
+        for name, state in states.items():
+            for key, value in reference.items():
+                torch.testing.assert_close(state[key], value, rtol=0, atol=1e-12,
+                                           msg=f"rank {rank}, {name}: {key}")

@@ -278,22 +278,21 @@ class ScratchDDP(ScratchDDP):
         on_ranks(check_finish, lazy, "ScratchDDP")
 
 
-def test_grad_ready_check_names_a_finish_that_never_ran(tmp_path):
-    unqueued = tmp_path / "unqueued.py"  # launches buckets but never queues _finish
-    unqueued.write_text('''from dpcourse.ddp import ScratchDDP
+def test_grad_ready_check_names_buckets_left_for_the_end(tmp_path):
+    counts_only = tmp_path / "counts_only.py"  # counts, but launches nothing: _finish does
+    counts_only.write_text('''from dpcourse.ddp import ScratchDDP
 
 
 class ScratchDDP(ScratchDDP):
     def _grad_ready(self, param):
         if not self._syncing:
             return
+        self._queue_finish()
+        self._note_ready(param)
         self.buckets[self._where[param]].ready += 1
-        while (self._next < len(self.buckets)
-               and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
-            self._launch(self._next)
 ''')
-    with pytest.raises(AssertionError, match="_finish never ran"):
-        on_ranks(check_grad_ready, unqueued, "ScratchDDP")
+    with pytest.raises(AssertionError, match="launched while backward ran; launch each as soon"):
+        on_ranks(check_grad_ready, counts_only, "ScratchDDP")
 
 
 def test_finish_check_wants_the_futures_dropped(tmp_path):

@@ -174,8 +174,14 @@ def test_close_and_a_with_block_end_the_helper_thread_and_remove_the_hooks(check
         closed = r["close"][way]
         assert closed["threads"] == 0 and closed["hooks"] == 0
         assert closed["freed"]  # no hook left holding the wrapper in a cycle
-        assert "wrapper is closed" in closed["after close"]
+        assert closed["after close"].startswith("ScratchFSDP: a forward after the wrapper is "
+                                                "closed")
+        assert "load full_state_dict() (on every rank" in closed["after close"]
         assert_states_close(closed["state"], expected, rtol=0, atol=0)
+        assert_states_close(closed["fresh copy"], expected, rtol=0, atol=0)  # as it says
+        if way == "with":
+            assert r["close"]["backward after with"].startswith(
+                "ScratchFSDP: a backward after the wrapper is closed")
 
 
 def test_misuse_gives_clear_errors(checked):
@@ -211,3 +217,16 @@ def test_unflatten_gives_views_shaped_like_the_parameters_in_order():
     assert [v.shape for v in views] == [(2, 2), (3,), (1, 2)]
     assert all(v.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() for v in views)
     assert views[2].flatten().tolist() == [7.0, 8.0]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_two_backwards_before_a_step_add_their_gradients(checked, world):
+    """Gradient accumulation: each backward adds its averaged gradient to the shard's .grad
+    (one that overwrote it would keep the second micro-batch's only)."""
+    model = fsdp_workers.small_net(0).double()
+    for step in (0, 1):
+        x, y = fsdp_workers.batch(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    expected = {name: p.grad for name, p in model.named_parameters()}
+    for r in checked[world]:
+        assert_states_close(r["accumulated"], expected)

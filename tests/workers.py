@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from dpcourse import p2p
@@ -366,6 +367,64 @@ def _evaluate(model: nn.Module, contexts: list, x: torch.Tensor) -> None:
         for context in contexts:
             stack.enter_context(context)
         model(x).sum().item()
+
+
+class CheckpointedNet(nn.Module):
+    """first -> middle -> head (float64), block (one of them) under activation checkpointing
+    (mode: "reentrant", "non_reentrant" or None), its weights drawn from seed."""
+
+    def __init__(self, mode: str | None, block: str, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.first, self.middle, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.mode, self.block = mode, block
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.run("first", x))
+        return self.run("head", torch.tanh(self.run("middle", h)))
+
+    def run(self, name: str, h: torch.Tensor) -> torch.Tensor:
+        if name != self.block or self.mode is None:
+            return getattr(self, name)(h)
+        return torch.utils.checkpoint.checkpoint(getattr(self, name), h,
+                                                 use_reentrant=self.mode == "reentrant")
+
+
+def checkpoint_batches(steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches (12 samples) of the checkpointing tests."""
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(12, 6, generator=g, dtype=torch.float64),
+             torch.randint(0, 3, (12,), generator=g)) for _ in range(steps)]
+
+
+def train_checkpointed(model: nn.Module, rank: int, world: int) -> dict:
+    """SGD over checkpoint_batches, this rank taking its chunk of each; the final state."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for X, y in checkpoint_batches():
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+    return {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
+
+
+def scratch_ddp_under_checkpointing(modes: list[str], blocks: list[str]) -> dict[str, dict]:
+    """ScratchDDP (one bucket; one per parameter) on CheckpointedNet, each mode on each block
+    (a reentrant one not on the first: its input, the data, needs no grad), each rank
+    starting from its own weights: the final states."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {f"{mode} on {block}, cap {cap}": train_checkpointed(
+                ScratchDDP(CheckpointedNet(mode, block, seed=rank), cap), rank, world)
+            for mode in modes for block in blocks for cap in (25.0, 0.0)
+            if not (mode == "reentrant" and block == "first")}
+
+
+def train_ddp_in_own_folder(folders: list[str], argv: list[str]) -> None:
+    """train_ddp's training with argv, each rank in folders[rank] (a relative --checkpoint is
+    then a file of that rank's own, as on nodes without a shared filesystem)."""
+    from dpcourse import train_ddp
+    os.chdir(folders[dist.get_rank()])
+    train_ddp.train(train_ddp.parse_args(argv), torch.device("cpu"))
 
 
 # --- SharedMemoryAllreduce against dist.all_reduce -----------------------------------------
