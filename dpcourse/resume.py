@@ -5,7 +5,8 @@ joining the process group again when torchrun restarts the workers.
 from its last checkpoint, and exactly only if the checkpoint holds everything the next steps
 depend on (the weights, every rank's optimizer state, the position in the data, any RNG or
 communication-hook state). ``save`` writes a checkpoint atomically; ``load`` refuses, naming
-the file, one that is truncated or corrupt or was written by a different command.
+the file, one that is truncated or corrupt or was written by a different command;
+``load_if_found`` lets rank 0 decide whether there is one, so that every rank resumes or none.
 ``naming_lost_ranks`` turns a failed collective into an error naming the ranks that are gone.
 """
 from __future__ import annotations
@@ -104,8 +105,8 @@ def naming_lost_ranks(store: dist.Store, rank: int, world_size: int) -> Iterator
         try:
             lost = lost_ranks(store, world_size)
         except RuntimeError as unreachable:
-            raise RuntimeError(f"the store does not answer either ({unreachable}): node 0, "
-                               f"which hosts it, is gone? {error}") from error
+            raise RuntimeError(f"the store does not answer either ({unreachable}): "
+                               f"{store_host()}, which hosts it, is gone? {error}") from error
         if lost:
             raise RuntimeError(f"{' and '.join(lost)} {'is' if len(lost) == 1 else 'are'} "
                                f"gone (no beat in the store for {QUIET_S:g} s): {error}"
@@ -114,6 +115,17 @@ def naming_lost_ranks(store: dist.Store, rank: int, world_size: int) -> Iterator
     finally:
         stop.set()
         beating.join(QUIET_S)
+
+
+def store_host() -> str:
+    """Who hosts the store a torchrun worker joins through (join_arguments): node 0's agent,
+    or, with a store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or env://), the worker
+    of rank 0, at MASTER_ADDR:MASTER_PORT."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return "node 0 (its torchrun agent)"
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return (f"rank 0's worker (at {where}; with a store per round, a worker killed alone "
+            "takes it along while its agent restarts the workers)")
 
 
 def lost_ranks(store: dist.Store, world_size: int) -> list[str]:
@@ -138,14 +150,22 @@ def save(path: Path, state: dict[str, Any]) -> None:
 
 
 def write_atomically(path: Path, value: Any) -> None:
-    """torch.save value to path: a complete file or none (a temporary file, flushed to disk,
-    then renamed over path)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """torch.save value to path: a complete file or none (a temporary file of this call's own,
+    flushed to disk, then renamed over path, the rename flushed to the directory too)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(value, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only if the rename did not happen
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename survives a crash of the machine too
+    finally:
+        os.close(folder)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -153,6 +173,8 @@ def load(path: Path) -> dict[str, Any]:
     own part to its device); a clear error naming path if it is unreadable."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise  # not there, or not readable: said as it is
     except Exception as error:  # noqa: BLE001 - truncated zip, bad pickle, ...: all one answer
         raise RuntimeError(
             f"checkpoint {path} is truncated or corrupt ({type(error).__name__}: "
@@ -167,6 +189,31 @@ def load(path: Path) -> dict[str, Any]:
     if found != FORMAT:
         raise RuntimeError(f"checkpoint {path} was not written by python -m dpcourse.train_ddp "
                            f"(format {FORMAT}): nothing was loaded")
+    return state
+
+
+def load_if_found(path: Path) -> dict[str, Any] | None:
+    """The checkpoint at path, read by every rank of the default group, if rank 0 finds it;
+    None if not. Every rank raises, naming path, if some cannot read what rank 0 found (each
+    node must see the same file: a filesystem they share)."""
+    found = [path.exists() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # one answer, not one per node
+    if not found[0]:
+        return None
+    try:
+        state, problem = load(path), None
+    except Exception as error:  # noqa: BLE001 - told to every rank below
+        state, problem = None, error
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, None if problem is None else
+                           f"{type(problem).__name__}: {str(problem)[:300]}")
+    failed = [r for r, p in enumerate(problems) if p is not None]
+    if problem is not None and 0 in failed:
+        raise problem  # the file itself: rank 0 could not read it either
+    if failed:
+        raise RuntimeError(f"checkpoint {path}: rank 0 found it, but rank(s) {failed} cannot "
+                           f"read it ({problems[failed[0]]}): every node must see the same "
+                           "file, on a filesystem they share")
     return state
 
 

@@ -223,6 +223,11 @@ CHECKED = ("model", "train_size", "data", "batch_size", "global_batch_size", "lr
            "outer_momentum")  # what shapes the run
 
 
+# a format-2 checkpoint written before --momentum, --dtype and --global-batch-size existed
+# (4667fef up to c4a3ae0) lacks them in its arguments: it trained with these
+UNRECORDED = {"momentum": 0.0, "dtype": "float32", "global_batch_size": None}
+
+
 def training_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """The arguments a checkpoint must have been written with to be resumed here: the world
     size too, unless --global-batch-size fixes the global batches whatever it is."""
@@ -261,12 +266,12 @@ def save_training_state(path: Path, args: argparse.Namespace, run: Training, epo
     dist.barrier()  # nobody reads or overwrites it before it is complete
 
 
-def load_training_state(path: Path, args: argparse.Namespace, run: Training) -> tuple[int, int]:
-    """Every rank reads path onto the CPU and moves only its own part to its device (the
-    weights, or its shard under FSDP; its optimizer's and hook's state); returns (epoch, step)
-    to resume from."""
-    state = resume.load(path)
-    resume.check_same_command(path, state["args"], training_arguments(args))
+def load_training_state(path: Path, state: dict[str, Any], args: argparse.Namespace,
+                        run: Training) -> tuple[int, int]:
+    """Every rank takes, from the checkpoint state it read from path (on the CPU), its own part
+    to its device (the weights, or its shard under FSDP; its optimizer's and hook's state);
+    returns (epoch, step) to resume from."""
+    resume.check_same_command(path, {**UNRECORDED, **state["args"]}, training_arguments(args))
     if len(state["ranks"]) == dist.get_world_size():
         mine = state["ranks"][dist.get_rank()]
     else:
@@ -321,8 +326,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     run = build_training(args, device)
     model, opt = run.model, run.opt
     epoch = step = 0
-    if args.checkpoint is not None and args.checkpoint.exists():
-        epoch, step = load_training_state(args.checkpoint, args, run)
+    state = resume.load_if_found(args.checkpoint) if args.checkpoint is not None else None
+    if state is not None:  # rank 0 decided: every rank resumes, or none
+        epoch, step = load_training_state(args.checkpoint, state, args, run)
     limit = args.steps if args.steps is not None else float("inf")
     total = min(limit, args.epochs * len(loader))
     bar = tqdm(total=max(total, step), initial=step,

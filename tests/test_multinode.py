@@ -228,8 +228,21 @@ def test_an_error_every_rank_raises_is_raised_as_it_was():
     assert raised_by_each(server.port, 3, original) == [original] * 3
 
 
-def test_a_failed_collective_with_the_store_gone_says_node_0_is_gone():
+@pytest.mark.parametrize("agent_store, hosted", [
+    ("True", r"node 0 \(its torchrun agent\), which hosts it, is gone"),
+    (None, r"rank 0's worker \(at 127\.0\.0\.1:\d+; with a store per round, a worker killed "
+           r"alone takes it along while its agent restarts the workers\), which hosts it")])
+def test_a_failed_collective_with_the_store_gone_names_who_hosted_it(monkeypatch, agent_store,
+                                                                     hosted):
+    """torchrun's shared store lives in node 0's agent; a store per round (issue 34: the
+    README's elastic settings) in rank 0's worker, whose agent may well be alive."""
     port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    if agent_store:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent_store)
+    else:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as dist; "
                              f"s = dist.TCPStore('127.0.0.1', {port}, is_master=True); "
                              "print('up', flush=True); time.sleep(60)"],
@@ -237,7 +250,7 @@ def test_a_failed_collective_with_the_store_gone_says_node_0_is_gone():
     try:
         assert host.stdout.readline() == "up\n"
         with pytest.raises(RuntimeError, match=r"the store does not answer either \(.*\): "
-                                               "node 0, which hosts it, is gone"):
+                                               + hosted):
             with resume.naming_lost_ranks(client(port), 1, 2):
                 host.kill()
                 host.wait()

@@ -9,14 +9,19 @@ uninterrupted ones did (with 3 ranks, another order of the sum rounds differentl
 a + b = b + a). Each mode is two torchrun runs: the modes are combined (a comm hook on each DDP)
 to keep them few.
 """
+import os
+import stat
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+import workers
 from dpcourse import resume, train_ddp
 from dpcourse.experiments import restarts
+from dpcourse.launch import RankError, launch
 
 WORLD = 3
 COMMON = ["--train-size", "1536", "--batch-size", "16", "--epochs", "2", "--lr", "0.05",
@@ -116,7 +121,8 @@ def test_resume_reads_every_rank_state_onto_the_cpu_not_the_rank_device(tmp_path
     try:
         run = train_ddp.build_training(args, torch.device("cpu"))
         run.device = torch.device("meta")
-        assert train_ddp.load_training_state(path, args, run) == (1, 1)  # epoch, step
+        state = resume.load_if_found(path)
+        assert train_ddp.load_training_state(path, state, args, run) == (1, 1)  # epoch, step
     finally:
         torch.distributed.destroy_process_group()
     assert read_onto == ["cpu"]
@@ -135,3 +141,48 @@ def test_a_file_that_is_no_train_ddp_checkpoint_is_refused(tmp_path):
     torch.save({"model": {}}, path)
     with pytest.raises(RuntimeError, match="was not written by python -m dpcourse.train_ddp"):
         resume.load(path)
+
+
+# --- checkpoint files: concurrent writers, durable renames, one node's view ---
+
+def test_two_writers_at_once_each_leave_a_complete_file(tmp_path):
+    """Each write has a temporary file of its own (a fixed name let one writer truncate the
+    other's, or rename it away first)."""
+    path, values = tmp_path / "ckpt.pt", [torch.full((200_000,), float(i)) for i in range(2)]
+
+    def write(value: torch.Tensor) -> None:
+        for _ in range(15):
+            resume.write_atomically(path, {"x": value})
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(write, values))  # raises what a writer raised
+    saved = torch.load(path, weights_only=True)["x"]
+    assert any(torch.equal(saved, value) for value in values)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
+
+
+def test_the_rename_is_flushed_to_its_directory(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)),
+                                                 real_fsync(fd)))
+    resume.write_atomically(tmp_path / "ckpt.pt", {"x": torch.ones(3)})
+    assert synced == [False, True]  # the file's data, then the directory holding the rename
+
+
+def test_ranks_that_cannot_read_the_checkpoint_rank_0_found_all_fail_at_once_naming_it(tmp_path):
+    """Two nodes without a shared filesystem (each rank's folder its own): rank 0 finds the
+    checkpoint, rank 1 does not. Before, each rank decided alone: rank 0 resumed at step 2,
+    rank 1 started from 0, and the ranks failed late, or waited."""
+    folders = [tmp_path / f"node{r}" for r in range(2)]
+    for folder in folders:
+        folder.mkdir()
+    argv = ["--data", "synthetic", "--train-size", "64", "--batch-size", "8", "--steps", "2",
+            "--checkpoint", "ckpt.pt"]
+    launch(workers.train_ddp_in_own_folder, [str(folders[0])] * 2, argv, world_size=2,
+           backend="gloo", timeout=120)  # a checkpoint in node 0's folder only
+    with pytest.raises(RankError, match=r"checkpoint ckpt.pt: rank 0 found it, but rank\(s\) "
+                                        r"\[1\] cannot read it \(FileNotFoundError.*\): every "
+                                        "node must see the same file"):
+        launch(workers.train_ddp_in_own_folder, [str(f) for f in folders],
+               [*argv[:-3], "4", *argv[-2:]], world_size=2, backend="gloo", timeout=60)

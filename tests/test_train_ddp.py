@@ -9,6 +9,7 @@ resumes mid-epoch and crosses into epoch 1 (set_epoch).
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,3 +240,42 @@ def test_a_rank_saves_and_restores_its_device_generator(monkeypatch):
     device_module.state = torch.zeros(3, dtype=torch.uint8)
     resume.set_rng_state(saved, cuda)
     assert device_module.state.tolist() == [7, 8, 9]
+
+
+# --- a checkpoint of an earlier train_ddp ---
+
+def old_package(tmp_path, commit: str):
+    """dpcourse as it was at commit (git archive of this repository), or skip saying why."""
+    root = Path(__file__).resolve().parents[1]
+    folder = tmp_path / commit
+    folder.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", commit, "dpcourse"],
+                             capture_output=True)
+    if archive.returncode:
+        pytest.skip(f"needs this repository's history (git archive {commit}): "
+                    f"{archive.stderr.decode().strip()[:200]}")
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder
+
+
+def test_a_checkpoint_from_before_momentum_dtype_and_global_batch_resumes(tmp_path, monkeypatch):
+    """4667fef wrote format 2 without those arguments (c4a3ae0 added them, no new format):
+    read as their defaults then, it resumes, and ends bitwise as a run of today's code."""
+    old = old_package(tmp_path, "4667fef")
+    flags = ["--train-size", "64", "--batch-size", "16", "--seed", "3"]
+    path, whole = tmp_path / "old.pt", tmp_path / "whole.pt"
+    env = {**os.environ, "DPCOURSE_DATA": "synthetic", "PYTHONPATH": str(old)}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+        monkeypatch.delenv(name, raising=False)
+    subprocess.run([sys.executable, "-m", "dpcourse.train_ddp", *flags, "--steps", "2",
+                    "--checkpoint", str(path)], cwd=old, env=env, check=True, timeout=120,
+                   capture_output=True)
+    assert "momentum" not in load(path)["args"]
+    monkeypatch.setenv("DPCOURSE_DATA", "synthetic")
+    train_ddp.main([*flags, "--steps", "4", "--checkpoint", str(path)])
+    train_ddp.main([*flags, "--steps", "4", "--checkpoint", str(whole)])
+    resumed, uninterrupted = load(path), load(whole)
+    assert resumed["step"] == uninterrupted["step"] == 4
+    for key, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
