@@ -9,10 +9,12 @@ Each check compares with an independent reference (one device, one process, torc
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -284,6 +286,47 @@ def on_rank(checks: list[RankCheck]) -> list[tuple[str, float]]:
     return out
 
 
+ELASTIC_ARGS = ["--data", "synthetic", "--train-size", "48", "--global-batch-size", "12",
+                "--epochs", "3", "--dtype", "float64", "--momentum", "0.9", "--lr", "0.05"]
+
+
+def elastic_part(folder: str, part: str) -> None:
+    """On every rank: chapter 12's run with ELASTIC_ARGS, "whole" (9 steps) and "stopped" at
+    step 5, or the stopped one "resumed" to 9 steps, from its checkpoint."""
+    from . import train_ddp
+    runs = {"whole": [("whole", 9), ("stopped", 5)], "resumed": [("stopped", 9)]}[part]
+    for name, steps in runs:
+        args = [*ELASTIC_ARGS, "--steps", str(steps), "--checkpoint", f"{folder}/{name}.pt"]
+        train_ddp.train(train_ddp.parse_args(args), rank_device())
+
+
+def check_elastic() -> str:
+    """Chapter 12: a run on 2 processes stopped at step 5 and resumed on 1 (the global batch
+    re-cut, the momentum re-divided) ends within 1e-12 of the 2 processes' run (float64)."""
+    backend = "nccl" if len([d for d in accelerators() if d.type == "cuda"]) >= 2 else "gloo"
+    with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as folder:
+        launch(elastic_part, folder, "whole", world_size=2, backend=backend, timeout=180)
+        launch(elastic_part, folder, "resumed", world_size=1, backend=backend, timeout=180)
+        whole, resumed = (torch.load(f"{folder}/{name}.pt", weights_only=True)["model"]
+                          for name in ("whole", "stopped"))
+    gap = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
+    if not gap <= 1e-12:
+        raise AssertionError(f"resumed on 1 process, off by {gap:.1e} from 2 processes' run")
+    return f"2 then 1 processes, {backend}"
+
+
+def check_two_nodes() -> str:
+    """Chapter 12: two torchrun agents on this machine; node 1's worker killed while node 0's
+    is stopped: both restart once, resume and end cleanly (the course's restart rule)."""
+    from .experiments import nodes
+    with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as folder:
+        run = nodes.restart_across_nodes(Path(folder) / "restart")
+    if run["exit_codes"] != [0, 0] or run["resumed"] != 1 or run["rounds"] != 2:
+        raise AssertionError(f"exit codes {run['exit_codes']}, {run['resumed']} resumed, "
+                             f"{run['rounds']} rounds named (want [0, 0], 1, 2)")
+    return "2 torchrun agents, gloo"
+
+
 LOCAL = [Check("00", "tensors to each device and back", check_tensors),
          Check("01", "profile_steps and LeNet's output on 2 devices", check_profile),
          Check("02", "one SGD step of LeNet on each of 2 devices", check_sgd_step),
@@ -291,6 +334,8 @@ LOCAL = [Check("00", "tensors to each device and back", check_tensors),
          Check("04-05", "split_batch and train_batch on 2 devices", check_train_batch),
          Check("06", "ScratchDataParallel (and nn.DataParallel on real GPUs)",
                check_data_parallel)]
+LATER = [Check("12", "2 processes resumed on 1: within 1e-12 in float64", check_elastic),
+         Check("12", "2 nodes: a worker killed, both restart and resume", check_two_nodes)]
 
 
 def rank_rows(world_size: int = 2, checks: list[RankCheck] | None = None
@@ -344,6 +389,7 @@ def main() -> int:
     if len(gpus) < 2:
         rows.append(("06", "nn.DataParallel on 2 real GPUs", "-", "not run: needs 2 GPUs", 0.0))
     rows += rank_rows()
+    rows += run_checks(LATER)
     print_table(rows)
     failed = [r for r in rows if r[3].startswith("FAILED")]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} rows without failure"
