@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Plant one-line bugs in the hand-built parts, one at a time, and run that part's tests:
+every bug must make them fail. A suite is as good as the bugs it catches.
+
+    .venv/bin/python tools/plant_bugs.py            # every bug (about 15 minutes here)
+    .venv/bin/python tools/plant_bugs.py --list     # the bugs and their tests
+    .venv/bin/python tools/plant_bugs.py shm zero   # the bugs whose name starts so
+
+Each bug is planted in a copy of the working tree (in a temporary folder, removed after), so
+the checkout is never touched and others may keep working in it. Prints one row per bug:
+caught (with the first failing test) or NOT CAUGHT; exits non-zero if any was not caught.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP = shutil.ignore_patterns(".venv", ".git", "build", "__pycache__", ".pytest_cache", "data")
+
+
+@dataclass
+class Bug:
+    name: str
+    file: str
+    right: str  # a line of the file, exactly once in it
+    wrong: str  # what it becomes
+    tests: list[str]  # pytest arguments: the part's tests
+
+
+BUGS = [
+    Bug("ddp: buffers never broadcast after construction", "dpcourse/ddp.py",
+        "        if self.broadcast_buffers and self._buffers_behind and self.world > 1:",
+        "        if self.broadcast_buffers and False:",
+        ["tests/test_ddp.py", "tests/test_differential.py", "-k",
+         "frozen_parameter_and_buffer or scratch_ddp_trains"]),
+    Bug("ddp: a no_grad forward cancels the pending sync", "dpcourse/ddp.py",
+        "        if not torch.is_grad_enabled():  # as torch: no backward follows, nothing to prepare",
+        "        if not torch.is_grad_enabled() and not setattr(self, '_syncing', False):",
+        ["tests/test_ddp.py"]),
+    Bug("ddp: buckets in registration order, not reversed", "dpcourse/ddp.py",
+        "    for p in reversed(params):",
+        "    for p in params:",
+        ["tests/test_ddp.py"]),
+    Bug("ddp: end of backward queued at the first gradient, not from the output",
+        "dpcourse/ddp.py",
+        "        return _through_end_of_backward(out, self) if self._syncing else out",
+        "        return out",
+        ["tests/test_ddp.py", "-k", "checkpointing"]),
+    Bug("fsdp: a backward overwrites .grad instead of adding", "dpcourse/fsdp.py",
+        "                unit.shard.grad += average",
+        "                unit.shard.grad.copy_(average)",
+        ["tests/test_fsdp.py"]),
+    Bug("fsdp: gradients summed over the ranks, not averaged", "dpcourse/fsdp.py",
+        "            average = future.wait().to(unit.shard.dtype) / self.world",
+        "            average = future.wait().to(unit.shard.dtype)",
+        ["tests/test_fsdp.py"]),
+    Bug("zero: no rank takes the others' updated parameters", "dpcourse/zero.py",
+        "                if rank != self.rank:",
+        "                if rank == self.rank:",
+        ["tests/test_zero.py"]),
+    Bug("compression: PowerSGD's P not orthogonalised", "dpcourse/compression.py",
+        "        ps = [torch.linalg.qr(p).Q for p in sums]  # the sum's: scale does not matter to QR",
+        "        ps = list(sums)",
+        ["tests/test_compression.py"]),
+    Bug("local_sgd: pseudo-gradients summed, not averaged", "dpcourse/local_sgd.py",
+        "        flat = torch.cat([deltas, *(b.reshape(-1) for b in floats)]).div_(world)",
+        "        flat = torch.cat([deltas, *(b.reshape(-1) for b in floats)])",
+        ["tests/test_local_sgd.py"]),
+    Bug("p2p: the ring receives the chunk it sends", "dpcourse/p2p.py",
+        "    return (rank - step - 1) % world, (rank - step - 2) % world",
+        "    return (rank - step - 1) % world, (rank - step - 1) % world",
+        ["tests/test_p2p.py"]),
+    Bug("shm: the reduce skips a third rank's part", "dpcourse/shm.py",
+        "        for part in parts[2:]:",
+        "        for part in parts[3:]:",
+        ["tests/test_shm.py"]),
+    Bug("elastic: reshard pads for the old world size", "dpcourse/elastic.py",
+        "    padded = torch.zeros(padded_numel(numel, world), dtype=whole.dtype)",
+        "    padded = torch.zeros(padded_numel(numel, len(shards)), dtype=whole.dtype)",
+        ["tests/test_exercises_12.py", "tests/test_elastic.py", "-k",
+         "re_divided or reshard or rank_indices"]),
+    Bug("elastic: every epoch shuffled from one generator (seed, not seed + epoch)",
+        "dpcourse/elastic.py",
+        "    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))",
+        "    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))",
+        ["tests/test_exercises_12.py", "tests/test_elastic.py", "-k",
+         "same_global_batches or rank_indices"]),
+    Bug("elastic: every rank takes rank 0's re-cut optimizer shard", "dpcourse/elastic.py",
+        "        return reshard([state[\"state\"][i][key] for state in states], numels[i], world)[rank]",
+        "        return reshard([state[\"state\"][i][key] for state in states], numels[i], world)[0]",
+        ["tests/test_elastic.py", "-k", "re_divided"]),
+    Bug("resume: each rank decides alone whether the checkpoint exists", "dpcourse/resume.py",
+        "    dist.broadcast_object_list(found, src=0)  # one answer, not one per node",
+        "    found = [path.exists()]",
+        ["tests/test_restarts.py", "-k", "cannot_read"]),
+    Bug("resume: a fixed temporary file name", "dpcourse/resume.py",
+        "    tmp = path.with_name(f\".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp\")",
+        "    tmp = path.with_name(path.name + \".tmp\")",
+        ["tests/test_restarts.py", "-k", "writers"]),
+]
+
+
+def plant(tree: Path, bug: Bug) -> None:
+    """Replace bug.right by bug.wrong in tree's copy of bug.file (it must be there once)."""
+    path = tree / bug.file
+    text = path.read_text()
+    if text.count(bug.right + "\n") != 1:
+        raise SystemExit(f"{bug.name}: the line {bug.right.strip()!r} is not once in "
+                         f"{bug.file} any more: update BUGS")
+    path.write_text(text.replace(bug.right + "\n", bug.wrong + "\n"))
+
+
+def run_tests(tree: Path, bug: Bug) -> tuple[bool, str]:
+    """(whether the part's tests failed, the first failing test or the summary line)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}  # the copy's dpcourse, not the checkout's
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0",
+                           "-p", "no:cacheprovider", *bug.tests], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    lines = done.stdout.splitlines()
+    failed = [line.split()[1] for line in lines if line.startswith("FAILED")]
+    return done.returncode != 0, (failed[0] if failed else (lines[-1] if lines else ""))
+
+
+def main(argv: list[str]) -> int:
+    chosen = [b for b in BUGS if not argv or any(b.name.startswith(a) for a in argv)]
+    if "--list" in argv:
+        for bug in BUGS:
+            print(f"{bug.name}\n    {bug.file}: {bug.right.strip()}\n"
+                  f"    -> {bug.wrong.strip()}\n    tests: {' '.join(bug.tests)}")
+        return 0
+    missed = 0
+    print(f"{'bug':72s} {'seconds':>7s}  result")
+    for bug in chosen:
+        with tempfile.TemporaryDirectory(prefix="dpcourse-planted-") as folder:
+            tree = Path(folder) / "tree"
+            shutil.copytree(ROOT, tree, ignore=SKIP)
+            plant(tree, bug)
+            start = time.perf_counter()
+            caught, said = run_tests(tree, bug)
+        missed += not caught
+        print(f"{bug.name:72s} {time.perf_counter() - start:7.0f}  "
+              f"{'caught: ' + said if caught else 'NOT CAUGHT: ' + said}", flush=True)
+    print(f"\n{len(chosen) - missed} of {len(chosen)} planted bugs caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
