@@ -14,10 +14,10 @@ Each slice is summed once, in rank order, so every rank gets the same bits on ev
 The next round's copy-in writes only regions their readers are done with (the regions
 of the other ranks' slices, read before they counted), so two counts per round suffice.
 
-Ranks wait for each other on the counters (no gloo in the data path): a wait spins for 50
-microseconds, then sleeps in naps that double up to a quarter of a millisecond, so a long wait
-(another rank still in its backward) leaves the core to whatever computes; a timeout names
-the rank that did not arrive. The segments are files in /dev/shm, removed as soon as every
+Ranks wait for each other on the counters (no gloo in the data path): a wait spins for 0.1 ms
+(yielding the core), then sleeps in naps that double up to a quarter of a millisecond, so a
+long wait (another rank still in its backward) leaves the core to whatever computes; a timeout
+names the rank that did not arrive. The segments are files in /dev/shm, removed as soon as every
 rank has mapped them: the mappings stay valid, and nothing is left behind even if a rank is
 killed (launch removes the file of a rank killed before that). The counters rely on x86-64
 keeping stores in program order.
@@ -40,7 +40,7 @@ PREFIX = "dpcourse-shm-"
 HEADER_BYTES = 64  # int64s: [0] counter, [1] numel, [2] dtype code; then the buffer
 ALIGN = 64  # regions start on cache lines
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES, 1)}
-SPIN_S = 50e-6  # a wait spins this long (ranks in step arrive within microseconds),
+SPIN_S = 100e-6  # a wait spins this long, yielding the core (ranks in step arrive sooner),
 MAX_NAP_S = 250e-6  # then sleeps in naps doubling up to this (about what it oversleeps by)
 
 
@@ -119,7 +119,7 @@ class SharedBuffers:
 
     def _arrive(self) -> None:
         """Count one more step done, then wait until every rank has counted as far: spin for
-        SPIN_S, then sleep, each nap twice as long up to MAX_NAP_S (the core goes to others)."""
+        SPIN_S, then sleep in naps twice as long each time, up to MAX_NAP_S."""
         self._count += 1
         self._headers[self.rank][0] = self._count
         start, nap = time.monotonic(), SPIN_S
@@ -128,7 +128,9 @@ class SharedBuffers:
                 waited = time.monotonic() - start
                 if waited > self.timeout:
                     self._timed_out()
-                if waited > SPIN_S:
+                if waited < SPIN_S:
+                    os.sched_yield()  # several ranks per core: let the one we wait for run
+                else:  # a long wait: leave the core to whatever computes
                     time.sleep(nap)
                     nap = min(2 * nap, MAX_NAP_S)
 
