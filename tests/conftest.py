@@ -4,7 +4,7 @@ alone while the other worker sits idle (by default xdist puts the files with the
 here the student versions, last)."""
 
 LONGEST_FIRST = ("test_student_chapters_00_06", "test_student_chapters_07_09", "test_elastic",
-                 "test_student_chapters_10_on", "test_multinode", "test_restarts",
+                 "test_student_chapters_10_on", "test_train_ft", "test_multinode", "test_restarts",
                  "test_train_ddp")
 
 

@@ -1,0 +1,258 @@
+"""Training that never stops (chapter 13): replicas of train_ft under failures drawn by
+hypothesis keep every sample and end where one uninterrupted process ends.
+
+A schedule draws 2-4 replicas and 1-2 failures: which replica, at which step, in which phase
+(before its quorum request, in forward/backward, during the allreduce, between the allreduce
+and the vote, while it serves a recovery), killed (SIGKILL; started again or not) or stopped
+and continued after a pause shorter or longer than the heartbeat timeout; two failures may
+strike at the same moment. The failures are injected inside the replica (tests/ft_workers.py).
+The property, from what each replica logged before acting: no survivor's process restarts;
+every step is committed exactly once (twice only if every member of its quorum died and a
+checkpoint was used), by members whose samples are disjoint and make up global batch s, and
+every member of an attempt acts on the same decision; the final parameters are within 1e-12
+of one uninterrupted process; a recovered replica's state is its source's, bitwise; nothing
+is left running, and the run ends within BOUND_S.
+
+CI runs a few derandomized schedules (several failures each); DPCOURSE_HYPOTHESIS_EXAMPLES=N
+runs N random ones (tests/test_differential.py's `examples`).
+"""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import assume, example, given, note
+from hypothesis import strategies as st
+
+from dpcourse import train_ft
+from dpcourse.elastic import rank_indices
+from dpcourse.experiments.ft_runs import EXACT, Replicas, one_process_run, read_events
+from dpcourse.experiments.nodes import free_port
+from dpcourse.lighthouse import Rules
+from dpcourse.recovery import digest
+from ft_workers import replica_with_faults
+from test_differential import examples
+
+STEPS, G, N = 40, 22, 220  # 10 global batches per epoch, 4 epochs; 3 or 4 members: uneven
+FLAGS = ["--steps", str(STEPS), "--global-batch-size", str(G), "--train-size", str(N),
+         "--timeout", "2", "--checkpoint-every", "4", *EXACT]
+RULES = Rules(min_replicas=1, join_timeout=0.3, heartbeat_timeout=1.0)
+PHASES = ("quorum", "forward", "allreduce", "vote", "serve")
+BOUND_S = 90.0  # start-up, 16 steps, and per failure a heartbeat timeout, 2 collective
+# timeouts and a restart, with room for a loaded CI machine
+CLOSE = 1e-12
+
+
+def flags(folder: Path) -> list[str]:
+    return [*FLAGS, "--checkpoint", str(folder / "ckpt.pt")]
+
+
+@st.composite
+def schedules(draw) -> dict:
+    """Replicas, and 1-2 failures; the second may strike with the first (two at once)."""
+    replicas = draw(st.integers(2, 4))
+    failures = []
+    for i in range(draw(st.integers(1, 2))):
+        at_once = i == 1 and draw(st.booleans())
+        how = draw(st.sampled_from(["kill", "stop"]))
+        failures.append({
+            "replica": draw(st.integers(0, replicas - 1)),
+            "step": failures[0]["step"] if at_once else draw(st.integers(1, STEPS // 2)),
+            "phase": failures[0]["phase"] if at_once else draw(st.sampled_from(PHASES)),
+            "how": how,
+            "pause": draw(st.sampled_from([0.4, 2.5])) if how == "stop" else None,
+            "restart": draw(st.booleans()) if how == "kill" else False})
+    killed = {f["replica"] for f in failures if f["how"] == "kill" and not f["restart"]}
+    assume(len(killed) < replicas)  # someone must be left to finish
+    return {"replicas": replicas, "failures": failures}
+
+
+def run_schedule(folder: Path, schedule: dict) -> tuple[dict, list[dict], float]:
+    """Run it: the exit codes by name, every event logged, the seconds it took."""
+    names = [f"r{i}" for i in range(schedule["replicas"])]
+    faults = {name: [f for f in schedule["failures"] if f["replica"] == i]
+              for i, name in enumerate(names)}
+    started = time.monotonic()
+    with Replicas(folder, flags(folder), RULES) as replicas:
+        replicas.start_together(names, replica_with_faults,
+                                {name: (faults[name],) for name in names})
+        codes = replicas.supervise(
+            BOUND_S, restarts={n: sum(f["restart"] for f in faults[n]) for n in names},
+            pauses={n: [f["pause"] for f in faults[n] if f["how"] == "stop"] for n in names},
+            start=lambda name: replicas.start(name, replica_with_faults, []))  # no faults
+        note(replicas.outputs())
+        processes = {n: [p.pid for p in replicas.procs[n]] for n in names}
+    return {"codes": codes, "processes": processes}, replicas.events(), \
+        time.monotonic() - started
+
+
+def assert_every_sample_kept(events: list[dict], schedule: dict) -> None:
+    """Every step committed exactly once (or redone from a checkpoint after its whole quorum
+    died), by members whose samples are disjoint and make up the global batch, all members
+    acting on one decision."""
+    decisions, attempts = defaultdict(set), defaultdict(list)
+    for e in events:
+        if e["event"] == "decision":
+            decisions[e["qid"], e["step"]].add(e["decision"])
+        elif e["event"] == "attempt":
+            attempts[e["qid"], e["step"]].append(e)
+    assert all(len(d) == 1 for d in decisions.values()), (
+        f"members of one attempt acted on different decisions: "
+        f"{ {k: d for k, d in decisions.items() if len(d) > 1} }")
+    ended = {e["replica"] for e in events if e["event"] == "end"}
+    for step in range(STEPS):
+        commits = sorted(qid for (qid, s), d in decisions.items() if s == step and "commit" in d)
+        assert commits, f"step {step} was never committed"
+        for earlier in commits[:-1]:  # a redo: only if every member that committed it died
+            members = {e["replica"] for e in attempts[earlier, step]}
+            assert not members & ended, (
+                f"step {step} committed in quorums {commits}, though {members & ended} of "
+                f"quorum {earlier} lived on")
+        for qid in commits:
+            tried = attempts[qid, step]
+            samples = [i for e in tried for i in e["samples"]]
+            assert len(samples) == len(set(samples)), f"step {step}: a sample taken twice"
+            assert sorted(samples) == sorted(rank_indices(N, G, 1, 0, step, 0)), (
+                f"step {step}, quorum {qid}: the members' samples are not global batch {step}")
+
+
+def failure(replica: int, step: int, phase: str, how: str, pause: float | None = None,
+            restart: bool = False) -> dict:
+    return {"replica": replica, "step": step, "phase": phase, "how": how, "pause": pause,
+            "restart": restart}
+
+
+@examples(in_ci=1)
+@given(schedule=schedules())
+@example(schedule={"replicas": 3, "failures": [  # two killed at once, two started at once
+    failure(0, 5, "allreduce", "kill", restart=True),
+    failure(2, 5, "allreduce", "kill", restart=True)]})
+@example(schedule={"replicas": 3, "failures": [  # a zombie; its source killed mid-recovery
+    failure(1, 4, "forward", "stop", pause=2.5), failure(0, 4, "serve", "kill", restart=True)]})
+@example(schedule={"replicas": 2, "failures": [  # every member of a quorum killed
+    failure(0, 9, "vote", "kill", restart=True), failure(1, 9, "vote", "kill", restart=True)]})
+def test_replicas_keep_every_sample_and_end_as_one_process_whatever_fails(schedule):
+    note(f"schedule: {schedule}")
+    with tempfile.TemporaryDirectory(prefix="ft-") as folder:
+        run, events, seconds = run_schedule(Path(folder), schedule)
+        checkpoint = torch.load(Path(folder) / "ckpt.pt", weights_only=True)
+    lost = {f"r{f['replica']}" for f in schedule["failures"]
+            if f["how"] == "kill" and not f["restart"]}
+    for name, code in run["codes"].items():  # survivors end cleanly, in their first process
+        assert code == 0 or (code == -signal.SIGKILL and name in lost), f"{name} exited {code}"
+        if len(run["processes"][name]) == 1 and code == 0:
+            pids = {e["pid"] for e in events if e["name"] == name}
+            assert pids == {run["processes"][name][0]}, f"{name} restarted: pids {pids}"
+    assert any(code == 0 for code in run["codes"].values())
+    assert seconds < BOUND_S
+    assert_every_sample_kept(events, schedule)
+    served = {(e["qid"], e["to"]): e["digest"] for e in events if e["event"] == "serve"}
+    for heal in (e for e in events if e["event"] == "heal"):
+        assert served[heal["qid"], heal["replica"]] == heal["digest"], (
+            f"{heal['replica']} does not hold its source's state after healing")
+    ends = {e["digest"] for e in events if e["event"] == "end"}
+    assert ends == {digest({k: checkpoint[k] for k in ("model", "optimizer", "step", "qid")})}
+    assert checkpoint["step"] == STEPS
+    _, reference = one_process_run(FLAGS)
+    gap = max((checkpoint["model"][k] - reference[k]).abs().max().item() for k in reference)
+    aborts = {(e["qid"], e["step"]) for e in events if e.get("decision") == "abort"}
+    print(f"\n{schedule}: {len(aborts)} attempt(s) aborted, "
+          f"{sum(e['event'] == 'heal' for e in events)} recovery(ies), exit codes "
+          f"{run['codes']}, {seconds:.1f} s, gap {gap:.1e}")
+    assert gap <= CLOSE, f"the parameters end {gap:.1e} from one uninterrupted process"
+
+
+# --- timeouts, the lighthouse lost, torchrun ---
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"waited {timeout:g} s for {what}"
+        time.sleep(0.02)
+    return found
+
+
+@pytest.mark.parametrize("delay", [0.4, 1.5])
+def test_a_member_slower_than_the_timeout_stops_the_run_naming_the_step(delay, tmp_path):
+    slow = [{"phase": "forward", "step": 3, "how": "delay", "seconds": delay}]
+    with Replicas(tmp_path, [*flags(tmp_path), "--timeout", "1"], RULES) as replicas:
+        replicas.start_together(["r0", "r1"], replica_with_faults, {"r0": ([],), "r1": (slow,)})
+        codes = replicas.supervise(60)
+        out = replicas.outputs()
+    if delay < 1:  # below --timeout: the others wait for it in the allreduce
+        assert codes == {"r0": 0, "r1": 0}, out
+        assert not [e for e in replicas.events() if e.get("decision") == "abort"]
+    else:  # above: every attempt at step 3 aborts, and after 3 every replica gives up
+        assert codes == {"r0": 1, "r1": 1}, out
+        assert out.count("step 3 aborted 3 times, in quorums [") == 2, out
+
+
+def test_a_lost_lighthouse_ends_every_replica_naming_it_and_the_checkpoint_resumes(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    lighthouse = [sys.executable, "-m", "dpcourse.lighthouse", "--port", address.split(":")[1],
+                  "--join-timeout", "0.3", "--heartbeat-timeout", "1"]
+    checkpoint = tmp_path / "ckpt.pt"
+    first = subprocess.Popen(lighthouse, stdout=subprocess.DEVNULL)
+    try:
+        with Replicas(tmp_path, flags(tmp_path), address=address) as replicas:
+            replicas.start_together(["r0", "r1"])
+            wait_for(checkpoint.exists, 60, "the first checkpoint")
+            first.kill()
+            killed = time.monotonic()
+            codes = replicas.supervise(30)
+            seconds = time.monotonic() - killed
+            out = replicas.outputs()
+        assert codes == {"r0": 1, "r1": 1}, out
+        assert out.count(f"the lighthouse at {address} is gone") == 2, out
+        assert seconds < 2 + 1, f"the replicas took {seconds:.1f} s to end"  # --timeout 2
+        saved = torch.load(checkpoint, weights_only=True)["step"]
+        with Replicas(tmp_path, flags(tmp_path), RULES) as replicas:  # a new lighthouse
+            replicas.start_together(["r0", "r1"])
+            assert replicas.supervise(60) == {"r0": 0, "r1": 0}, replicas.outputs()
+    finally:
+        first.kill()
+        first.wait()
+    starts = [e for e in read_events(tmp_path) if e["event"] == "start"]
+    assert [e["step"] for e in starts[2:]] == [saved, saved]
+    _, reference = one_process_run(FLAGS)
+    final = torch.load(checkpoint, weights_only=True)["model"]
+    assert max((final[k] - reference[k]).abs().max().item() for k in reference) <= CLOSE
+
+
+def test_under_torchrun_a_dead_replica_is_started_again_and_heals_from_a_live_peer(tmp_path):
+    """README's commands: the lighthouse apart, each replica under torchrun --max-restarts
+    (--min-replicas 2: the survivor waits for the replica torchrun starts again)."""
+    port = free_port()
+    lighthouse = subprocess.Popen([sys.executable, "-m", "dpcourse.lighthouse", "--port",
+                                   str(port), "--min-replicas", "2"], stdout=subprocess.DEVNULL)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=1", "--max-restarts=1", "-m", "dpcourse.train_ft"]
+    try:
+        with Replicas(tmp_path, [*flags(tmp_path), "--timeout", "5"],
+                      address=f"127.0.0.1:{port}") as replicas:
+            for name in ("r0", "r1"):
+                replicas.start(name, command=torchrun)
+
+            def worker_of_r1_at_step_10():
+                steps = [e for e in replicas.events() if e["name"] == "r1" and e["event"] ==
+                         "decision" and e["step"] >= 10]
+                return steps and steps[0]["pid"]
+            worker = wait_for(worker_of_r1_at_step_10, 120, "r1's worker at step 10")
+            os.kill(worker, signal.SIGKILL)
+            codes = replicas.supervise(120)
+            events = replicas.events()
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    assert codes == {"r0": 0, "r1": 0}, replicas.outputs()
+    r1 = [e for e in events if e["name"] == "r1"]
+    assert len({e["pid"] for e in r1}) == 2  # torchrun started it again
+    assert len({e["pid"] for e in events if e["name"] == "r0"}) == 1  # r0 went on
+    healed = [e for e in r1 if e["event"] == "heal" and e["pid"] != worker]
+    assert healed and healed[0]["source"].startswith("r0-")
