@@ -46,3 +46,23 @@ def test_running_cells_is_not_editing(tmp_path):
     next(c for c in nb.cells if c.cell_type == "code").execution_count = 1
     nbformat.write(nb, tmp_path / chapter.name)
     assert student.write_all([chapter], tmp_path) == 0
+
+
+def test_a_later_cell_that_uses_a_students_stub_is_named():
+    """The student runs stop after the last check; what follows is read, not run: a cell
+    there that needs the student's code (no import of the package's version) is named."""
+    import nbformat
+    from student_runs import stubs_used
+
+    def cell(source, solution=False):
+        c = nbformat.v4.new_code_cell(source)
+        if solution:
+            c.metadata["nbgrader"] = {"solution": True}
+        return c
+
+    code = [cell("def devices(k):\n    raise NotImplementedError()", solution=True),
+            cell("check_devices(devices)"),  # the check itself uses it: fine
+            cell("print(devices(2))"),
+            cell("from dpcourse.hardware import devices\nprint(devices(2))"),
+            cell("print(devices(3))")]
+    assert stubs_used(code) == [(3, "devices")]
