@@ -173,8 +173,11 @@ def evaluated(request) -> list[dict[str, dict]]:
 def test_a_forward_between_forward_and_backward_changes_no_training_as_in_torch_ddp(
         evaluated, name):
     """A forward for logging (under no_grad, inference_mode, in eval mode, inside no_sync)
-    before backward: torch's DDP still averages; ScratchDDP must too (within 1e-12, float64)."""
+    before backward: torch's DDP still averages; ScratchDDP must too (within 1e-12, float64),
+    its buckets still launched while backward runs (not all left for its end)."""
     for rank_runs in evaluated:
+        launched, buckets = rank_runs[f"launched in backward, {name}"]
+        assert launched == buckets, f"{name}: {launched} of {buckets} buckets during backward"
         reference = rank_runs["torch, none"]
         for ddp in ("torch", "scratch"):
             state = rank_runs[f"{ddp}, {name}"]

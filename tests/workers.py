@@ -346,7 +346,8 @@ def evaluations_between_forward_and_backward(names: list[str]) -> dict[str, dict
     """TiedNet, initialised differently on every rank, trained by ScratchDDP and by torch's DDP
     (STEPS steps of two micro-batches, the first under no_sync) with a forward in the context
     EVALUATIONS[name] between every forward and its backward; the final states by name, and
-    torch's without any evaluation ("torch, none")."""
+    torch's without any evaluation ("torch, none"); how many of ScratchDDP's buckets the last
+    backward launched while it ran, of how many."""
     rank, world = dist.get_rank(), dist.get_world_size()
     wrappers = {"scratch": lambda net: ScratchDDP(net, 0.0),
                 "torch": lambda net: nn.parallel.DistributedDataParallel(net)}
@@ -358,6 +359,9 @@ def evaluations_between_forward_and_backward(names: list[str]) -> dict[str, dict
             model = wrap(tied_net(seed=rank))
             evaluate = lambda x, model=model: _evaluate(model, EVALUATIONS[name](model), x)
             out[f"{ddp}, {name}"] = train_steps(model, rank, world, 2, every_layer, evaluate)
+            if ddp == "scratch":
+                out[f"launched in backward, {name}"] = (model.launched_in_backward,
+                                                        len(model.buckets))
     return out
 
 
