@@ -7,6 +7,7 @@ are written next to the pages, so that they download from the site itself.
 """
 from __future__ import annotations
 
+import hashlib
 import shutil
 import sys
 import time
@@ -131,9 +132,27 @@ def write_pages(sources: Path, out: Path, jobs: int = 2) -> None:
         sys.exit(f"Sphinx failed (status {status}): its warnings are above.")
 
 
+INPUTS = ("notebooks/*.ipynb", "solutions/*.ipynb", "docs/**/*", "slides/**/*", "tools/*.py",
+          "course.py")
+STAMP = ".inputs"  # in the built site: inputs_hash() of what it was built from
+
+
+def inputs() -> dict[str, str]:
+    """Every file the build reads, by path: a hash of its bytes."""
+    files = sorted({f for pattern in INPUTS for f in ROOT.glob(pattern)
+                    if f.is_file() and "__pycache__" not in f.parts})
+    return {str(f.relative_to(ROOT)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+
+
+def inputs_hash() -> str:
+    """A hash of every file the build reads (and of the repository address it links)."""
+    return hashlib.sha256(repr((REPOSITORY, inputs())).encode()).hexdigest()
+
+
 def build(out: Path = OUT, repository: str = REPOSITORY) -> dict[str, float]:
-    """Build the whole site into out; return the seconds each part took."""
-    seconds = {}
+    """Build the whole site into out, which then records inputs_hash() (the build leaves its
+    inputs as they were: checked); return the seconds each part took."""
+    seconds, before = {}, inputs()
     start = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)
     sources = out.with_name(out.name + "-src")  # build/site-src: the staged Sphinx sources
@@ -146,6 +165,10 @@ def build(out: Path = OUT, repository: str = REPOSITORY) -> dict[str, float]:
     start = time.perf_counter()
     write_slides(out)
     seconds["slides"] = time.perf_counter() - start
+    changed = sorted(path for path, digest in inputs().items() if before.get(path) != digest)
+    if changed:
+        raise RuntimeError(f"these files changed while the site was built from them: {changed}")
+    (out / STAMP).write_text(inputs_hash())
     return seconds
 
 
