@@ -393,7 +393,9 @@ def resumed(mode: list[str], steps: int, stop: int, dropout: float = 0.0, batch_
 # 2 ranks 10, 5 steps. A stop at step 2 or 3 is in mid-epoch; 6 or 7 steps cross into epoch 1.
 @example((3, [resumed(["--fsdp"], 6, 2, dropout=0.2),
               resumed(["--torch"], 7, 3, dropout=0.5),
-              resumed(["--scratch", "--comm-hook", "powersgd", "--powersgd-rank", "2"], 6, 3)]))
+              resumed(["--scratch", "--comm-hook", "powersgd", "--powersgd-rank", "2"], 6, 3),
+              resumed(["--scratch", "--comm-hook", "bf16"], 6, 3, dropout=0.2),
+              resumed(["--diloco", "4"], 7, 5, dropout=0.2)]))
 @example((2, [resumed(["--torch", "--comm-hook", "powersgd", "--powersgd-rank", "1"], 6, 3,
                       dropout=0.2),
               resumed(["--scratch"], 7, 2, dropout=0.5, batch_size=1, train_size=7)]))
