@@ -68,7 +68,7 @@ def setup() -> None:
         create_venv()
     try:
         run(PYTHON, "-m", "pip", "install", "--upgrade", "pip")
-        run(PYTHON, "-m", "pip", "install", "-e", ".[test,student,site]")
+        run(PYTHON, "-m", "pip", "install", "-e", ".[test,student,site,ft]")
         run(PYTHON, "-m", "pip", "install", "--no-deps", D2L)
     except subprocess.CalledProcessError:
         sys.exit("Installing the course's packages with pip failed (its message is above): "

@@ -17,7 +17,8 @@ import torch
 
 from .collectives import allreduce, get_params
 from .cost_model import AlphaBeta, best_layout, cost_in_step
-from .experiments import comm_demos, fsdp_demos, nodes, performance, zero_memory
+from .experiments import (comm_demos, fsdp_demos, nodes, performance, torchft_runs,
+                          zero_memory)
 from .experiments.performance import FIT_FROM, FIT_TO, fit_allreduces, size_label
 from .experiments.simulated import forward_backward_seconds
 from .experiments.throughput import (ALLREDUCES, NO_ALLREDUCE, bus_bandwidth, busy_processes,
@@ -437,6 +438,77 @@ def bench_recovery(quick: bool, figures: dict) -> None:
     print(f"  goal with README's settings: at most {RECOVERY_GOAL_S:g} s ({met})")
 
 
+NEVER_STOPS_REPEATS = 3
+README_RECOVERY_S = 9.7  # chapter 12's figure in README (bench_recovery, README's settings)
+CHAPTER_12 = "chapter 12, README's settings, s"
+
+
+def bench_never_stops(quick: bool, figures: dict) -> None:
+    """Chapter 13: train_ft beside torchft 0.2.0 on one failure (medians of 3 runs) and in the
+    steady state against ScratchDDP's plain step, beside chapter 12's recovery (figures holds
+    it, measured in this run, under CHAPTER_12); --quick: ours once, no torchft."""
+    repeats = 1 if quick else NEVER_STOPS_REPEATS
+    ok, why = torchft_runs.available()
+    systems = {"ours": False} | ({"torchft 0.2.0": True} if ok and not quick else {})
+    print(f"\nChapter 13, training that never stops (load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores): 2 replicas, LeNet in float64, G=32, heartbeat timeout "
+          f"{torchft_runs.RULES.heartbeat_timeout:g} s, join timeout "
+          f"{torchft_runs.RULES.join_timeout:g} s, --timeout 5; r1 SIGKILLed at step "
+          f"{torchft_runs.KILL_AT}, started again once r0 committed alone"
+          f"{' (forked)' if quick else ' (as a command: imports included)'}; medians of "
+          f"{repeats} run(s)")
+    if len(systems) == 1:
+        print(f"  torchft: not measured ({'--quick' if ok else why})")
+    with tempfile.TemporaryDirectory() as folder:
+        for name, torchft in systems.items():
+            figures[name] = torchft_runs.failure_figures(Path(folder), torchft, repeats,
+                                                         command=not quick)
+        steady = {name: [] for name in ("ScratchDDP", *systems)}
+        for i in range(repeats):  # alternated, round after round
+            rate = compare_ddp(steps=60, batch_size=32, repeats=1, variants=("ScratchDDP",),
+                               timeout=300)["ScratchDDP"]
+            steady["ScratchDDP"].append(64 / rate)
+            for name, torchft in systems.items():
+                run = Path(folder) / f"steady-{name}-{i}"
+                run.mkdir()
+                steady[name].append(torchft_runs.steady_step_seconds(run, torchft))
+    step = {name: statistics.median(t) for name, t in steady.items()}
+    figures["steady_step_s"] = step
+    print_never_stops(figures, step, figures.get(CHAPTER_12))
+
+
+def print_never_stops(figures: dict, step: dict[str, float], torchrun_s: float | None) -> None:
+    """The issue's table: ours, torchft's, chapter 12's, and each goal."""
+    ours, theirs = figures["ours"], figures.get("torchft 0.2.0")
+    chapter_12 = torchrun_s or README_RECOVERY_S
+    faster = chapter_12 / ours["kill_to_next_commit_s"]
+    steady = step["ours"] / step["ScratchDDP"]
+
+    def against_torchft(key: str, goal: float) -> str:
+        if theirs is None:
+            return " (no torchft figure)"
+        ratio = ours[key] / theirs[key]
+        return f" ({'met' if ratio <= goal else 'not met'}: x{ratio:.2f})"
+    rows = [("a replica SIGKILLed -> survivors' next commit", "kill_to_next_commit_s", "{:.2f} s",
+             f"{torchrun_s:.1f} s" if torchrun_s else f"{README_RECOVERY_S:g} s (README)",
+             f"ours <= 1.2x torchft's{against_torchft('kill_to_next_commit_s', 1.2)}, >= 5x "
+             f"faster than chapter 12's ({'met' if faster >= 5 else 'not met'}: x{faster:.1f})"),
+            ("a replica started -> its first commit", "start_to_first_commit_s", "{:.2f} s", "-",
+             f"ours <= torchft's{against_torchft('start_to_first_commit_s', 1.0)}"),
+            ("samples lost per failure", "samples_skipped", "{:.0f}", "0 (steps redone)",
+             f"ours 0 ({'met' if ours['samples_skipped'] == 0 else 'not met'})"),
+            (f"steady step / ScratchDDP's ({step['ScratchDDP'] * 1e3:.1f} ms, G=64, float32)",
+             None, "x{:.2f}", "-", f"<= 1.15x ({'met' if steady <= 1.15 else 'not met'})"),
+            ("parameter gap to one uninterrupted process", "gap", "{:.1e}", "-",
+             "ours <= 1e-12")]
+    print(f"  {'figure':56s} {'ours':>8s} {'torchft 0.2.0':>13s}  {'chapter 12 (torchrun)':22s} "
+          "goal")
+    for row, key, form, ch12, goal in rows:
+        cells = [form.format(figures[name][key] if key else step[name] / step["ScratchDDP"])
+                 if name in figures else "-" for name in ("ours", "torchft 0.2.0")]
+        print(f"  {row:56s} {cells[0]:>8s} {cells[1]:>13s}  {ch12:22s} {goal}")
+
+
 class Laps(dict):
     """Seconds each section of the benchmark took, by name, in order."""
 
@@ -525,6 +597,9 @@ def main(argv: list[str] | None = None) -> dict:
     laps.lap("chapter 11")
     bench_recovery(args.quick, figures.setdefault("chapter_12_recovery_s", {}))
     laps.lap("chapter 12")
+    bench_never_stops(args.quick, figures.setdefault("chapter_13", {
+        CHAPTER_12: figures["chapter_12_recovery_s"].get("README's settings")}))
+    laps.lap("chapter 13")
     print(f"\nThe benchmark took {sum(laps.values()):.0f} s: "
           + ", ".join(f"{name} {t:.0f} s" for name, t in laps.items()))
     if args.json is not None:

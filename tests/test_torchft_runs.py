@@ -1,0 +1,65 @@
+"""Chapter 13 beside torchft 0.2.0: the same failure at the same step, under both (skipped,
+saying why, where torchft cannot be installed), and the benchmark's table."""
+import pytest
+
+from dpcourse import bench
+from dpcourse.experiments import torchft_runs
+from dpcourse.experiments.torchft_runs import failure_figures, samples_skipped
+
+AVAILABLE, WHY = torchft_runs.available()
+
+
+def test_samples_skipped_counts_the_samples_of_each_batch_no_commit_used():
+    def attempt(replica, step, batch, samples):
+        return {"event": "attempt", "replica": replica, "qid": 0, "step": step,
+                "batch": batch, "samples": samples}
+
+    def decision(replica, step, batch, what):
+        return {"event": "decision", "replica": replica, "qid": 0, "step": step,
+                "batch": batch, "decision": what}
+    events = [attempt("a", 0, 0, [0, 1]), attempt("b", 0, 0, [2, 3]),
+              decision("a", 0, 0, "commit"), decision("b", 0, 0, "commit"),
+              attempt("a", 1, 1, [4, 5]), attempt("b", 1, 1, [6, 7]),  # b dies: dropped
+              decision("a", 1, 1, "abort"),
+              attempt("a", 1, 2, [8, 9]), decision("a", 1, 2, "commit")]  # a alone
+    assert samples_skipped(events, global_batch=4) == 4 + 2
+    ours = [{**e, "batch": e["step"]} for e in events[:4]]  # train_ft logs no batch: its step
+    assert samples_skipped([{k: v for k, v in e.items() if k != "batch"} for e in ours], 4) == 0
+
+
+@pytest.mark.skipif(not AVAILABLE, reason=f"the comparison with torchft is skipped: {WHY}")
+def test_the_same_failure_under_torchft_skips_samples_and_ours_none(tmp_path):
+    ours, theirs = (failure_figures(tmp_path, torchft, repeats=1, command=False)
+                    for torchft in (False, True))
+    print(f"\nr1 killed at step {torchft_runs.KILL_AT}: ours skipped {ours['samples_skipped']} "
+          f"samples, ends {ours['gap']:.1e} from one process; torchft 0.2.0 skipped "
+          f"{theirs['samples_skipped']}, ends {theirs['gap']:.1e} from it")
+    assert ours["samples_skipped"] == 0 and ours["gap"] <= 1e-12
+    assert theirs["samples_skipped"] >= 16 and theirs["gap"] > 1e-6  # a shard and a step
+
+
+def test_the_benchmark_prints_the_issue_s_table_with_each_goal(monkeypatch, capsys):
+    measured = {False: {"kill_to_next_commit_s": 1.1, "start_to_first_commit_s": 2.0,
+                        "samples_skipped": 0, "gap": 2e-15, "runs": 3},
+                True: {"kill_to_next_commit_s": 1.0, "start_to_first_commit_s": 5.0,
+                       "samples_skipped": 48, "gap": 0.5, "runs": 3}}
+    monkeypatch.setattr(torchft_runs, "available", lambda: (True, ""))
+    monkeypatch.setattr(torchft_runs, "failure_figures",
+                        lambda folder, torchft, repeats, command: measured[torchft])
+    monkeypatch.setattr(torchft_runs, "steady_step_seconds",
+                        lambda folder, torchft: 0.012 if torchft else 0.011)
+    monkeypatch.setattr(bench, "compare_ddp", lambda **k: {"ScratchDDP": 64 / 0.010})
+    figures = {bench.CHAPTER_12: 9.7}
+    bench.bench_never_stops(False, figures)
+    out = capsys.readouterr().out
+    assert "medians of 3 run(s)" in out and "(as a command: imports included)" in out
+    assert "ours <= 1.2x torchft's (met: x1.10), >= 5x faster than chapter 12's (met: x8.8)" \
+        in out
+    assert "ours <= torchft's (met: x0.40)" in out and "ours 0 (met)" in out
+    assert "x1.10" in out and "<= 1.15x (met)" in out
+    assert figures["steady_step_s"] == {"ScratchDDP": 0.010, "ours": 0.011,
+                                        "torchft 0.2.0": 0.012}
+    monkeypatch.setattr(torchft_runs, "available", lambda: (False, "not installed"))
+    bench.bench_never_stops(False, {})
+    out = capsys.readouterr().out
+    assert "torchft: not measured (not installed)" in out and "9.7 s (README)" in out
