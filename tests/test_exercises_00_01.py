@@ -121,11 +121,23 @@ def test_owner_bytes_accepts_twice_the_share_of_the_others(capsys) -> None:
     assert "not quite" in said(capsys, ch01.check_owner_bytes, lambda k, S: (k - 1) / k * S)
 
 
-def test_cpu_gpu_split_accepts_the_first_whole_number_past_the_balance(capsys) -> None:
-    balance = 2560 / 11  # g = 10 (256 - g)
-    assert said(capsys, ch01.check_cpu_gpu_split, math.ceil(balance)).startswith("correct")
-    assert "give an int" in said(capsys, ch01.check_cpu_gpu_split, balance)
-    assert "not quite" in said(capsys, ch01.check_cpu_gpu_split, 256)
+def test_idle_fraction_accepts_gpipes_bubble_and_names_the_usual_slips(capsys) -> None:
+    bubble = said(capsys, ch01.check_idle_fraction, lambda k, m: (k - 1) / (m + k - 1))
+    assert bubble.startswith("correct")
+    over_busy = said(capsys, ch01.check_idle_fraction, lambda k, m: (k - 1) / m)
+    assert over_busy == ("not quite: for 2 stages, 1 micro-batch you give 1.0, the schedule "
+                         "idles 0.5000 of the time: that is the waiting over the working time; "
+                         "divide the waiting by the whole span instead\n")
+    unpipelined = said(capsys, ch01.check_idle_fraction, lambda k, m: (k - 1) / k)
+    assert "for 2 stages, 2 micro-batches" in unpipelined and "holds for one micro-batch" in unpipelined
+
+
+def test_micro_batches_accepts_the_fewest_for_a_tenth_on_four_stages(capsys) -> None:
+    fewest = next(m for m in range(1, 100) if 3 * 10 <= m + 3)  # 3 / (m + 3) <= 1/10
+    assert said(capsys, ch01.check_micro_batches, fewest).startswith(f"correct: {fewest} ")
+    assert "fewer do too" in said(capsys, ch01.check_micro_batches, fewest + 1)
+    assert "wait 10.3% of the time" in said(capsys, ch01.check_micro_batches, fewest - 1)
+    assert "give an int" in said(capsys, ch01.check_micro_batches, float(fewest))
 
 
 def test_k4_costs_accept_three_halves_of_the_two_device_costs(capsys) -> None:

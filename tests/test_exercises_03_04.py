@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dpcourse import split_batch
-from dpcourse.exercises.ch03 import check_complete_chunks, check_spread_allreduce
+from dpcourse.exercises.ch03 import (check_addition_order, check_complete_chunks,
+                                     check_differing_chunks, check_spread_allreduce)
 from dpcourse.exercises.ch04 import check_idle_batches, check_mean_weights, check_weighted_sizes
 
 
@@ -23,6 +24,32 @@ def spread_allreduce(grads, owners_of=None):
             t.copy_(total)
             sent[d] += t.numel() * (m - 1 if d == j % m else 1) if d < m else t.numel()
     return sent
+
+
+def test_addition_order_accepts_the_ring_from_the_chunks_own_device(capsys):
+    check_addition_order(lambda k, c: [(c + i) % k for i in range(k)])
+    assert verdict(capsys) == "correct"
+    check_addition_order(lambda k, c: [(c + i) % k for i in (1, 0, *range(2, k))][:k])  # b + a
+    assert verdict(capsys) == "correct"  # one float addition gives the same bits both ways
+    check_addition_order(lambda k, c: list(range(k)))  # the naive order
+    assert capsys.readouterr().out == ("not quite: addition_order(3, 1) = [0, 1, 2], but on 3 "
+                                       "devices chunk 1 starts on device 1, which sends it to "
+                                       "device 2; follow it around the ring\n")
+    check_addition_order(lambda k, c: [c])
+    assert "give a list of the 2 device numbers" in capsys.readouterr().out
+
+
+def test_differing_chunks_are_all_but_chunk_0_on_four_devices(capsys):
+    check_differing_chunks({1, 2, 3})
+    out = capsys.readouterr().out
+    assert out.startswith("correct: chunks [1, 2, 3].") and "same bits: True" in out
+    check_differing_chunks({0, 1, 2, 3})
+    assert capsys.readouterr().out == ("not quite: chunk 0 is added in the naive order, device "
+                                       "0's value first: it cannot differ\n")
+    check_differing_chunks({1, 2})
+    assert "chunk 3 is summed starting with device 3's value" in capsys.readouterr().out
+    check_differing_chunks("123")
+    assert "give a set of chunk numbers" in capsys.readouterr().out
 
 
 def test_spread_allreduce_is_checked_on_2_3_and_4_devices(capsys):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dpcourse import Settings, allreduce, devices, lenet, load_fashion_mnist, loss, sgd, split_batch
-from dpcourse.exercises.ch05 import (check_cpu_example_weight, check_lr_for_k, check_steps,
+from dpcourse.exercises.ch05 import (check_accumulated_step, check_lr_for_k, check_steps,
                                      check_train_batch, check_train_batch_wd, check_warmup)
 from dpcourse.training import train_batch
 
@@ -164,19 +164,32 @@ def test_train_batch_check_refuses_a_loss_that_still_requires_grad():
         check_train_batch(lambda *a, **k: step_without(*a, **k, detach=False))
 
 
-def test_cpu_example_weight_is_the_ratio_of_the_shard_sizes(capsys):
-    check_cpu_example_weight(40 / 10)
+def accumulated(X, y, params, lr, k, shard_loss="sum", update_each=False):
+    """Exercise 5 written out: the k shards one after the other, one update (or, wrong, the
+    mean of each shard's loss, or an update after every shard)."""
+    for Xs, ys in zip(X.chunk(k), y.chunk(k)):
+        getattr(loss(lenet(Xs, params), ys), shard_loss)().backward()
+        if update_each:
+            sgd(params, lr, len(y))
+    if not update_each:
+        sgd(params, lr, len(y))
+
+
+def test_accumulated_step_accepts_summed_shards_and_one_update(capsys):
+    check_accumulated_step(accumulated)
     assert verdict(capsys) == "correct"
-    check_cpu_example_weight(0.25)
-    assert "inverted" in capsys.readouterr().out
-    check_cpu_example_weight(1)
-    assert "what train_batch gives" in capsys.readouterr().out
-    check_cpu_example_weight(2)
-    assert verdict(capsys) == "not"
+    check_accumulated_step(lambda *a: accumulated(*a, shard_loss="mean"))
+    assert capsys.readouterr().out.startswith("not quite: batch 10 in 1 micro-batch: each "
+                                              "micro-batch's loss is averaged: sum it")
+    check_accumulated_step(lambda *a: accumulated(*a, update_each=True))
+    assert capsys.readouterr().out.startswith("not quite: batch 10 in 2 micro-batches: you "
+                                              "updated after every micro-batch")
+    check_accumulated_step(lambda X, y, params, lr, k: accumulated(X, y, params, 2 * lr, k))
+    assert "away from the one-device step" in capsys.readouterr().out
 
 
 def test_unanswered_exercises_say_so(capsys):
-    for check in (check_steps, check_lr_for_k, check_warmup, check_cpu_example_weight,
+    for check in (check_steps, check_lr_for_k, check_warmup, check_accumulated_step,
                   check_train_batch_wd):
         check(None)
         assert capsys.readouterr().out == "not answered yet\n"

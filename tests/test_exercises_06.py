@@ -8,8 +8,9 @@ from torch import nn
 from dpcourse.concise import ResNetSettings
 from dpcourse.data_parallel import ScratchDataParallel, gather, parallel_apply, replicate
 from dpcourse.exercises.ch06 import (check_bytes_received, check_cached_wrapper, check_gather,
-                                     check_parallel_apply, check_parallel_loss, check_replicate,
-                                     check_same_batch_settings, check_scatter, check_shard_sizes)
+                                     check_combine_stats, check_parallel_apply,
+                                     check_parallel_loss, check_replicate,
+                                     check_same_batch_settings, check_scatter)
 from dpcourse.resnet import resnet18
 from dpcourse.split import scatter
 
@@ -29,24 +30,29 @@ def test_same_batch_settings_accepts_whole_batches_and_rejects_fractions(capsys)
     assert "global batch" in said(capsys)
 
 
-def largest_remainder(n, speeds):
-    """Shares of n by speed, rounded down, the rest to the largest remainders (independent)."""
-    total = sum(speeds)
-    sizes = [int(n * s // total) for s in speeds]
-    order = sorted(range(len(speeds)), key=lambda i: n * speeds[i] / total - sizes[i])
-    for i in order[len(order) - (n - sum(sizes)):]:
-        sizes[i] += 1
-    return sizes
+def pooled_stats(counts, means, variances):
+    """The batch's mean and biased variance from the shards' (independent: pooled moments)."""
+    n = sum(counts)
+    mean = sum(c * m for c, m in zip(counts, means)) / n
+    second = sum(c * (v + m ** 2) for c, m, v in zip(counts, means, variances)) / n
+    return mean, second - mean ** 2
 
 
-def test_shard_sizes_accepts_integer_shares_and_rejects_floats_and_far_ones(capsys):
-    check_shard_sizes(largest_remainder)
+def test_combine_stats_accepts_pooled_moments_and_names_the_usual_slips(capsys):
+    check_combine_stats(pooled_stats)
     assert said(capsys).startswith("correct")
-    check_shard_sizes(lambda n, speeds: [n * s / sum(speeds) for s in speeds])  # exact, not ints
-    assert "must be an int" in said(capsys)
-    check_shard_sizes(lambda n, speeds: [n // len(speeds)] * (len(speeds) - 1)
-                      + [n - n // len(speeds) * (len(speeds) - 1)])  # ignores the speeds
-    assert "less than one example away" in said(capsys)
+    check_combine_stats(lambda c, m, v: (torch.stack(m).mean(0), pooled_stats(c, m, v)[1]))
+    assert "weigh each by its count" in said(capsys)
+    check_combine_stats(lambda c, m, v: (pooled_stats(c, m, v)[0], torch.stack(v).mean(0)))
+    assert said(capsys) == ("not quite: shards of [4, 4, 2] examples: the variance is off: the "
+                            "shards' variances leave out how far each shard's mean lies from "
+                            "the batch's: add count x (shard mean - batch mean)^2 for each "
+                            "shard\n")
+    check_combine_stats(lambda c, m, v: (pooled_stats(c, m, v)[0],
+                                         pooled_stats(c, m, v)[1] * sum(c) / (sum(c) - 1)))
+    assert "unbiased variance" in said(capsys)
+    check_combine_stats(None)
+    assert said(capsys) == "not answered yet\n"
 
 
 def add_grad_to(original, copy, clear=True):

@@ -159,21 +159,58 @@ def check_owner_bytes(bytes_sent: Callable[[int, float], float] | None) -> None:
     print("correct: 2(k-1)/k x S, exactly the ring's cost")
 
 
-def check_cpu_gpu_split(gpu_examples: int | None) -> None:
-    """Says whether gpu_examples of a batch of 256 (the rest on a 10x slower CPU) makes the
-    step as short as possible."""
-    if not (_answered(gpu_examples) and _valid(gpu_examples, whole=True)):
-        return
+def pipeline_idle_fraction(k: int, m: int) -> float:
+    """The share of k devices' time spent waiting when m micro-batches pass k equal stages,
+    played step by step: stage s starts micro-batch j once stage s-1 has finished it and
+    stage s has finished micro-batch j-1."""
+    finish = [[0] * m for _ in range(k)]
+    for s in range(k):
+        for j in range(m):
+            finish[s][j] = 1 + max(finish[s - 1][j] if s else 0, finish[s][j - 1] if j else 0)
+    return 1 - m / finish[k - 1][m - 1]  # every device works m of the span's stage times
 
-    def step_time(g: int) -> float:  # in units of one GPU example
-        return max(g, 10 * (256 - g))
-    truth = min(range(257), key=step_time)
-    if gpu_examples == truth:
-        print(f"correct: the GPU takes {truth}, the CPU {256 - truth}")
+
+def check_idle_fraction(idle_fraction: Callable[[int, int], float] | None) -> None:
+    """Exercise 6: idle_fraction(k, m), the pipeline's idle share, against the played schedule
+    for 1 to 8 stages and 1 to 32 micro-batches."""
+    if not _answered(idle_fraction):
+        return
+    for k in range(1, 9):
+        for m in range(1, 33):
+            got, truth = idle_fraction(k, m), pipeline_idle_fraction(k, m)
+            if _is_number(got) and abs(got - truth) <= 1e-9:
+                continue
+            if _is_number(got) and m > 1 and abs(got - (k - 1) / k) <= 1e-9:
+                hint = ("that holds for one micro-batch; with m of them each device works m "
+                        "stage times in a span of m + k - 1")
+            elif _is_number(got) and abs(got - (k - 1) / m) <= 1e-9:
+                hint = ("that is the waiting over the working time; divide the waiting by the "
+                        "whole span instead")
+            else:
+                hint = ("the last stage starts k - 1 stage times after the first, then works "
+                        "m in a row; each device works m of that span")
+            stages = f"{k} stage{'s' * (k != 1)}, {m} micro-batch{'es' * (m != 1)}"
+            print(f"not quite: for {stages} you give {got!r}, the schedule idles {truth:.4f} of "
+                  f"the time: {hint}")
+            return
+    print("correct: (k - 1) / (m + k - 1), GPipe's bubble: k - 1 stage times of waiting per "
+          "device in a span of m + k - 1")
+
+
+def check_micro_batches(answer: int | None, k: int = 4, most: float = 0.1) -> None:
+    """Exercise 6: the fewest micro-batches for which k stages wait at most `most` of the time."""
+    if not (_answered(answer) and _valid(answer, whole=True)):
+        return
+    truth = next(m for m in range(1, 10_000) if pipeline_idle_fraction(k, m) <= most + 1e-12)
+    if answer == truth:
+        print(f"correct: {truth} micro-batches, {pipeline_idle_fraction(k, truth):.0%} idle; "
+              f"{truth - 1} would idle {pipeline_idle_fraction(k, truth - 1):.1%}")
+    elif answer > truth and pipeline_idle_fraction(k, answer) <= most:
+        print(f"not quite: {answer} micro-batches keep the waiting at most {most:.0%}, but "
+              "fewer do too")
     else:
-        print(f"not quite: with {gpu_examples} on the GPU the step lasts "
-              f"{step_time(gpu_examples)} GPU-example times; the best split gives "
-              f"{step_time(truth)}")
+        print(f"not quite: with {answer} micro-batches the {k} stages wait "
+              f"{pipeline_idle_fraction(k, max(answer, 1)):.1%} of the time")
 
 
 def check_profile_steps(profile_steps: Callable) -> None:
@@ -192,7 +229,7 @@ def check_profile_steps(profile_steps: Callable) -> None:
     hints = {"params": "the elements of the parameters the step uses",
              "out": "the elements of the step's output", "acts": "a reshape makes no new "
              "memory: compare untyped_storage().data_ptr() of its input and output",
-             "macs": "output elements x (weight elements / output channels)",
+             "macs": "output elements x (used[0].numel(), the weight, / output channels)",
              "gather": "the input's elements, for a step with parameters that is not the first",
              "exchanges": "1 for a step with parameters that is not the first, else 0"}
     assert isinstance(rows, list) and len(rows) == len(want), (

@@ -8,7 +8,8 @@ import torch
 
 from ..collectives import allreduce
 from ..lenet import init_lenet_params
-from ..ring import ring_schedule
+from ..ring import ring_allreduce, ring_schedule
+from . import answered, is_int
 
 
 def _count(n: int, noun: str, plural: str | None = None) -> str:
@@ -101,6 +102,78 @@ def check_traffic(answer: tuple[int, int] | None, k: int = 8, n: int = 25_000_00
     print("correct" if all(right) else
           f"not quite: (a) is {'right' if right[0] else 'wrong'} (the whole tensor, k-1 times), "
           f"(b) is {'right' if right[1] else 'wrong'} (chunks of N/k, 2(k-1) times)")
+
+
+def ring_sum_trees(k: int) -> list[object]:
+    """How the ring sums each chunk, played on ring_schedule(k): chunk c's sum as a tree of
+    additions over device numbers, canonical (each addition's two operands sorted), since
+    one float addition gives the same bits in either order."""
+    def add(a: object, b: object) -> object:
+        return tuple(sorted((a, b), key=repr))
+    held = [[d for _ in range(k)] for d in range(k)]  # the tree each device holds per chunk
+    for phase, transfers in ring_schedule(k):
+        for src, dst, c in transfers:
+            piece = held[src][c]
+            held[dst][c] = add(held[dst][c], piece) if phase == "reduce-scatter" else piece
+    assert all(row == held[0] for row in held), "the ring left the devices with other sums"
+    return held[0]
+
+
+def _left_fold(order: list[int]) -> object:
+    """The tree of ((order[0] + order[1]) + order[2]) + ..., canonical as in ring_sum_trees."""
+    tree: object = order[0]
+    for d in order[1:]:
+        tree = tuple(sorted((tree, d), key=repr))
+    return tree
+
+
+def check_addition_order(addition_order: Callable[[int, int], list[int]] | None) -> None:
+    """Exercise 5: addition_order(k, c), the devices whose values the ring adds into chunk c,
+    in the order of the additions, against the schedule played for k = 1 to 8."""
+    if not answered(addition_order):
+        return
+    for k in range(1, 9):
+        trees = ring_sum_trees(k)
+        for c in range(k):
+            order = addition_order(k, c)
+            if (not isinstance(order, (list, tuple)) or sorted(order) != list(range(k))
+                    or not all(is_int(d) for d in order)):
+                return print(f"not quite: addition_order({k}, {c}) = {order!r}; give a list "
+                             f"of the {k} device numbers, each once")
+            if _left_fold(list(order)) != trees[c]:
+                return print(f"not quite: addition_order({k}, {c}) = {list(order)}, but on "
+                             f"{_count(k, 'device')} chunk {c} starts on device {c}, which "
+                             f"sends it to device {(c + 1) % k}; follow it around the ring")
+    print("correct: chunk c is summed in the ring's order c, c+1, ..., c-1 (mod k), starting "
+          "on its own device")
+
+
+def check_differing_chunks(answer: set[int] | None, k: int = 4, n: int = 4_000) -> None:
+    """Exercise 5: the chunks of the ring's sum on k devices that may differ in their bits from
+    the naive allreduce's (device 0's tensor, then 1's, ...); tried on random float32 too."""
+    if not answered(answer):
+        return
+    if not isinstance(answer, (set, frozenset, list, tuple)) or not all(is_int(c) for c in answer):
+        return print(f"not quite: give a set of chunk numbers such as {{0, 2}}, not {answer!r}")
+    naive, trees = _left_fold(list(range(k))), ring_sum_trees(k)
+    truth = {c for c, tree in enumerate(trees) if tree != naive}
+    if set(answer) == truth:
+        g = torch.Generator().manual_seed(0)
+        data = [torch.randn(n, generator=g) for _ in range(k)]
+        by_naive, by_ring = [t.clone() for t in data], [t.clone() for t in data]
+        allreduce(by_naive), ring_allreduce(by_ring)
+        differ = [int((a != b).sum()) for a, b in zip(by_naive[0].tensor_split(k),
+                                                      by_ring[0].tensor_split(k))]
+        same = all(torch.equal(t, by_ring[0]) for t in by_ring)
+        return print(f"correct: chunks {sorted(truth)}. On {n:,} random float32 numbers per "
+                     f"device, elements that differ from the naive sum, chunk by chunk: {differ}; "
+                     f"all {k} devices hold the same bits: {same}")
+    for c in sorted(set(answer) - truth):
+        print(f"not quite: chunk {c} is added in the naive order, "
+              + ("device 0's value first" if c == 0 else "") + ": it cannot differ")
+    for c in sorted(truth - set(answer)):
+        print(f"not quite: chunk {c} is summed starting with device {c}'s value, not device 0's "
+              "then 1's: its rounding can differ")
 
 
 def _simulated(k: int) -> list[torch.device]:

@@ -10,6 +10,7 @@ from ..collectives import allreduce, get_params
 from ..hardware import devices
 from ..lenet import init_lenet_params, lenet, loss
 from ..training import Settings, sgd, train_batch
+from . import answered
 
 
 def _count(n: int, noun: str, plural: str | None = None) -> str:
@@ -89,24 +90,49 @@ def check_warmup(fn: Callable[[int, float, int], float] | None) -> None:
     print("correct")
 
 
-def check_cpu_example_weight(answer: float | None) -> None:
-    """Exercise 5: with shards of 40 (GPU) and 10 (CPU), each device averaging its own shard's
-    loss and the two averages averaged: one CPU example's weight over one GPU example's."""
-    if answer is None:
-        return print("not answered yet")
-    expected = (1 / 10) / (1 / 40)  # each shard's mean weighs its examples 1/size, times 1/2 each
-    if math.isclose(answer, expected):
-        print(f"correct: {expected:g}x. train_batch sums the losses and divides by the whole "
-              "batch, so every example weighs 1/50 whatever its shard")
-    elif math.isclose(answer, 1 / expected):
-        print("not quite: that is inverted. A mean over 10 examples gives each of them 1/10; "
-              "which shard's examples weigh more?")
-    elif math.isclose(answer, 1):
-        print("not quite: 1 is what train_batch gives (summed losses divided by the whole "
-              "batch). The question is about averaging per shard: 1/10 vs 1/40")
-    else:
-        print("not quite: write the weight of one example in each shard's mean, times the 1/2 "
-              "of averaging the two devices, and divide")
+def _stepwise(params: list[torch.Tensor], X: torch.Tensor, y: torch.Tensor, k: int,
+              lr: float) -> list[torch.Tensor]:
+    """The wrong accumulation that updates after every micro-batch (k small steps)."""
+    ref = get_params(params, torch.device("cpu"))
+    for Xs, ys in zip(X.chunk(k), y.chunk(k)):
+        loss(lenet(Xs, ref), ys).sum().backward()
+        sgd(ref, lr, len(y))
+    return [p.detach() for p in ref]
+
+
+def check_accumulated_step(accumulated_step: Callable | None) -> None:
+    """Exercise 5: accumulated_step(X, y, params, lr, k), the k shards one after the other on
+    one device, gradients accumulated, one update: the one-device step of the whole batch,
+    which train_batch takes on k devices."""
+    if not answered(accumulated_step):
+        return
+    g = torch.Generator().manual_seed(2)
+    X, y = torch.rand(10, 1, 28, 28, generator=g), torch.randint(0, 10, (10,), generator=g)
+    start = init_lenet_params(0, scale=0.1)
+    for k, n in ((1, 10), (2, 10), (3, 10), (4, 10), (4, 3)):
+        params = get_params(start, torch.device("cpu"))
+        accumulated_step(X[:n], y[:n], params, 0.1, k)
+        where = f"batch {n} in {_count(k, 'micro-batch', 'micro-batches')}"
+        want = _one_device_step(start, X[:n], y[:n], 0.1)
+        if _step_problem([params], want, start) is None:
+            if any(p.grad is not None for p in params):
+                return print(f"not quite: {where}: the step is right, but the gradients are "
+                             "still there and the next step would add to them: clear them "
+                             "(sgd does)")
+            continue
+        if _step_problem([params], _mean_per_shard_step(start, X[:n], y[:n], k, 0.1),
+                         start) is None:
+            return print(f"not quite: {where}: each micro-batch's loss is averaged: sum it "
+                         "(.sum()), so that the micro-batches' gradients add up to the batch's")
+        if _step_problem([params], _stepwise(start, X[:n], y[:n], k, 0.1), start) is None:
+            return print(f"not quite: {where}: you updated after every micro-batch: let the "
+                         "gradients add up over all of them, then call sgd once")
+        rel = max(float((p.detach() - w).abs().max() / (w - p0).abs().max())
+                  for p, w, p0 in zip(params, want, start))
+        return print(f"not quite: {where}: your update is {rel:.1e} (relative) away from the "
+                     "one-device step of the whole batch (train_batch's on k devices)")
+    print("correct: train_batch's step on k devices, taken by one device: the gradients add "
+          "up in p.grad, where the allreduce summed them across devices")
 
 
 def _one_device_step(params: list[torch.Tensor], X: torch.Tensor, y: torch.Tensor,

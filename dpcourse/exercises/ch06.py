@@ -41,30 +41,51 @@ def check_same_batch_settings(same_batch_settings: Callable[[int], Any] | None) 
     print("correct: the same global batch and learning rate on every device count")
 
 
-def check_shard_sizes(shard_sizes: Callable[[int, list[float]], list[int]] | None) -> None:
-    """Exercise 2: whole-number shard sizes that sum to n, each less than one example away from
-    its share of n in proportion to the devices' speeds."""
-    if not answered(shard_sizes):
+def _shard_stats(sizes: list[int], channels: int = 3, seed: int = 0
+                 ) -> tuple[torch.Tensor, list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """A float64 batch cut into shards of these sizes, whose means differ from shard to shard,
+    and each shard's count, per-channel mean and biased variance."""
+    g = torch.Generator().manual_seed(seed)
+    shards = [torch.randn(n, channels, generator=g, dtype=torch.float64) * (1 + i) + 3 * i
+              for i, n in enumerate(sizes)]
+    return (torch.cat(shards), sizes, [s.mean(0) for s in shards],
+            [s.var(0, correction=0) for s in shards])
+
+
+def check_combine_stats(combine_stats: Callable | None) -> None:
+    """Exercise 2: combine_stats(counts, means, variances), the whole batch's per-channel mean
+    and biased variance from each shard's count, mean and biased variance (SyncBatchNorm)."""
+    if not answered(combine_stats):
         return
-    for n, speeds in [(256, [1, 1]), (256, [3, 1]), (10, [1, 1, 1]), (100, [5, 5, 1]),
-                      (7, [1, 1, 1, 1, 1, 1, 1, 1]), (513, [2.5, 1, 0.5])]:
-        sizes = list(shard_sizes(n, speeds))
-        if not all(is_int(size) for size in sizes):
-            print(f"not quite: shard_sizes({n}, {speeds}) = {sizes}; a shard holds a whole "
-                  "number of examples, so every size must be an int")
-            return
-        ideal = [n * s / sum(speeds) for s in speeds]
-        if len(sizes) != len(speeds) or sum(sizes) != n or min(sizes) < 0:
-            print(f"not quite: shard_sizes({n}, {speeds}) = {sizes}; it needs one size per "
-                  f"device, none negative, summing to {n}")
-            return
-        worst = max(abs(got - want) for got, want in zip(sizes, ideal))
-        if worst >= 1:
-            print(f"not quite: shard_sizes({n}, {speeds}) = {sizes}, but the speeds ask for "
-                  f"{[round(i, 2) for i in ideal]}; each shard should be less than one example "
-                  "away from its share")
-            return
-    print("correct: every shard follows its device's speed, and no example is lost")
+    for sizes in ([4, 4, 2], [5, 5], [1, 6, 3, 2], [7]):
+        batch, counts, means, variances = _shard_stats(sizes)
+        got = combine_stats(counts, means, variances)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2
+                and all(isinstance(t, torch.Tensor) and t.shape == (3,) for t in got)):
+            return print(f"not quite: return a pair (mean, variance) of tensors with one value "
+                         f"per channel, shape (3,), not {got!r:.60}")
+        mean, var = got
+        want_mean, want_var = batch.mean(0), batch.var(0, correction=0)
+        where = f"shards of {sizes} examples"
+        if not torch.allclose(mean, want_mean, rtol=1e-10, atol=1e-12):
+            hint = ("the mean of the shard means weighs every shard alike; weigh each by its "
+                    "count" if torch.allclose(mean, torch.stack(means).mean(0)) else
+                    "the batch's mean is the sum of all examples over their number")
+            return print(f"not quite: {where}: the mean is off: {hint}")
+        if torch.allclose(var, want_var, rtol=1e-10, atol=1e-12):
+            continue
+        n = sum(counts)
+        within = sum(c * v for c, v in zip(counts, variances)) / n
+        if torch.allclose(var, want_var * n / (n - 1)):  # every batch here has n > 1
+            hint = "that is the unbiased variance; batch norm divides by the count, N, not N - 1"
+        elif torch.allclose(var, within) or torch.allclose(var, torch.stack(variances).mean(0)):
+            hint = ("the shards' variances leave out how far each shard's mean lies from the "
+                    "batch's: add count x (shard mean - batch mean)^2 for each shard")
+        else:
+            hint = "the variance is the mean squared distance of all examples from the batch mean"
+        return print(f"not quite: {where}: the variance is off: {hint}")
+    print("correct: the counts weigh the means, and the variance adds the spread of the shard "
+          "means to the shards' own variances")
 
 
 class _ComputedWith(TorchFunctionMode):
