@@ -19,6 +19,11 @@ def answered(answer: object) -> bool:
     return answer is not None
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """"1 device", "3 devices": n with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def is_int(answer: object) -> bool:
     """Whether answer is a whole number (numpy integers too, but not True/False)."""
     return isinstance(answer, Integral) and not isinstance(answer, bool)

@@ -9,12 +9,7 @@ import torch
 from ..collectives import allreduce
 from ..lenet import init_lenet_params
 from ..ring import ring_allreduce, ring_schedule
-from . import answered, is_int
-
-
-def _count(n: int, noun: str, plural: str | None = None) -> str:
-    """"1 device", "3 devices": n with its noun in the right number."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+from . import answered, count, is_int
 
 
 def spread_traffic(sizes: list[int], k: int) -> list[int]:
@@ -142,7 +137,7 @@ def check_addition_order(addition_order: Callable[[int, int], list[int]] | None)
                              f"of the {k} device numbers, each once")
             if _left_fold(list(order)) != trees[c]:
                 return print(f"not quite: addition_order({k}, {c}) = {list(order)}, but on "
-                             f"{_count(k, 'device')} chunk {c} starts on device {c}, which "
+                             f"{count(k, 'device')} chunk {c} starts on device {c}, which "
                              f"sends it to device {(c + 1) % k}; follow it around the ring")
     print("correct: chunk c is summed in the ring's order c, c+1, ..., c-1 (mod k), starting "
           "on its own device")
@@ -235,11 +230,11 @@ def check_broadcast(broadcast: Callable) -> None:
         devs = [torch.device("cpu")] + _simulated(k - 1)
         copies = broadcast(source, devs)
         assert isinstance(copies, list) and len(copies) == k, (
-            f"{_count(k, 'device')} should give a list of {_count(k, 'copy', 'copies')}, got "
+            f"{count(k, 'device')} should give a list of {count(k, 'copy', 'copies')}, got "
             f"{copies!r:.60}")
         memory = {source.data_ptr()} | {c.data_ptr() for c in copies}
         assert len(memory) == k + 1, (
-            f"on {_count(k, 'device')} some copies share memory with each other or with the "
+            f"on {count(k, 'device')} some copies share memory with each other or with the "
             "tensor: ask .to for copy=True")
         for d, c in zip(devs, copies):
             assert torch.equal(c, source.detach()), f"the copy for {d} has other values"
@@ -267,10 +262,10 @@ def _check_sums(fn: Callable, sent_for: Callable, shape: tuple[int, ...] = (3, 7
         sent = fn(list(tensors))  # a fresh list, as train_batch passes: only writes count
         for i, t in enumerate(tensors):
             assert torch.equal(t, total), (
-                f"{_count(k, 'device')}: tensor {i} does not hold the sum; write it into the "
+                f"{count(k, 'device')}: tensor {i} does not hold the sum; write it into the "
                 "tensor (add_, copy_), not into the list")
         want = sent_for(k, total.numel())
-        assert list(sent) == want, (f"{_count(k, 'device')} of {total.numel()} elements: "
+        assert list(sent) == want, (f"{count(k, 'device')} of {total.numel()} elements: "
                                     f"sent {sent}, want {want}")
 
 

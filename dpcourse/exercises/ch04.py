@@ -8,12 +8,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..split import split_batch
-from . import answered, is_int
-
-
-def _count(n: int, noun: str, plural: str | None = None) -> str:
-    """"1 device", "3 devices": n with its noun in the right number."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+from . import answered, count, is_int
 
 
 def check_shard_sizes(n: int, k: int, answer: list[int] | None) -> None:
@@ -137,7 +132,7 @@ def check_split_batch(split_batch: Callable) -> None:
         for n in range(1, 21):
             X, y = torch.randn(n, 3), torch.arange(n)
             X_shards, y_shards = split_batch(X, y, devs)
-            where = f"{_count(n, 'example')} on {_count(k, 'device')}"
+            where = f"{count(n, 'example')} on {count(k, 'device')}"
             want = [len(c) for c in X.chunk(k)]
             got = [len(s) for s in X_shards]
             assert got == want, f"{where}: shards of {got}, want {want}"

@@ -10,12 +10,7 @@ from ..collectives import allreduce, get_params
 from ..hardware import devices
 from ..lenet import init_lenet_params, lenet, loss
 from ..training import Settings, sgd, train_batch
-from . import answered
-
-
-def _count(n: int, noun: str, plural: str | None = None) -> str:
-    """"1 device", "3 devices": n with its noun in the right number."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+from . import answered, count
 
 
 def check_steps(answer: int | None) -> None:
@@ -65,7 +60,7 @@ def check_lr_for_k(lr_for: Callable[[int], float] | None) -> None:
         lr = lr_for(k)
         rel, ratio = _largest_update_difference(k, lr)
         if rel > 1e-4:
-            where = f"on {_count(k, 'device')} (batch {64 * k})"
+            where = f"on {count(k, 'device')} (batch {64 * k})"
             if lr <= 0:
                 return print(f"not quite: {where} your lr {lr} does not step down the gradient")
             return print(f"not quite: {where} your lr {lr} moves the parameters {ratio:.2f}x as "
@@ -112,7 +107,7 @@ def check_accumulated_step(accumulated_step: Callable | None) -> None:
     for k, n in ((1, 10), (2, 10), (3, 10), (4, 10), (4, 3)):
         params = get_params(start, torch.device("cpu"))
         accumulated_step(X[:n], y[:n], params, 0.1, k)
-        where = f"batch {n} in {_count(k, 'micro-batch', 'micro-batches')}"
+        where = f"batch {n} in {count(k, 'micro-batch', 'micro-batches')}"
         want = _one_device_step(start, X[:n], y[:n], 0.1)
         if _step_problem([params], want, start) is None:
             if any(p.grad is not None for p in params):
@@ -184,7 +179,7 @@ def check_train_batch(train_batch: Callable) -> None:
     for k, n in ((1, 10), (2, 10), (3, 10), (4, 3)):
         devs, calls = [torch.device("cpu", i) for i in range(k)], []
         replicas = [get_params(params, d) for d in devs]
-        where = f"batch {n} on {_count(k, 'device')}"
+        where = f"batch {n} on {count(k, 'device')}"
 
         shards = len(X[:n].chunk(k))  # devices from this index on get no shard
 
@@ -249,7 +244,7 @@ def check_train_batch_wd(train_batch_wd: Callable | None) -> None:
         if problem is None:
             continue
         if any(_step_problem(replicas, steps[m], params) is None for m in range(2, 5)):
-            return print(f"not quite: on {_count(k, 'device')} your decay is counted more than "
+            return print(f"not quite: on {count(k, 'device')} your decay is counted more than "
                          "once (each device adds it before the allreduce sums them): add it once")
-        return print(f"not quite: batch {n} on {_count(k, 'device')}: {problem}")
+        return print(f"not quite: batch {n} on {count(k, 'device')}: {problem}")
     print("correct: the decay is added once, after the allreduce (or 1/k of it on each device)")

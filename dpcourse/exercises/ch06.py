@@ -10,12 +10,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..data_parallel import ScratchDataParallel, sgd_steps
 from ..resnet import resnet18
-from . import answered, is_int
-
-
-def _count(n: int, noun: str, plural: str | None = None) -> str:
-    """"1 device", "3 devices": n with its noun in the right number."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+from . import answered, count, is_int
 
 
 def check_same_batch_settings(same_batch_settings: Callable[[int], Any] | None) -> None:
@@ -24,7 +19,7 @@ def check_same_batch_settings(same_batch_settings: Callable[[int], Any] | None) 
     if not answered(same_batch_settings):
         return
     for k in (1, 2, 4, 8):
-        s, on = same_batch_settings(k), f"on {_count(k, 'device')}"
+        s, on = same_batch_settings(k), f"on {count(k, 'device')}"
         if not is_int(s.batch_per_device):
             print(f"not quite: {on} batch_per_device is {s.batch_per_device!r}, but a "
                   "batch holds a whole number of examples: use 256 // k")
@@ -216,7 +211,7 @@ def check_scatter(scatter: Callable) -> None:
         for n in range(1, 21):
             t = torch.arange(n * 2.0).reshape(n, 2)
             got, want = scatter(t, _devs(k)), t.chunk(k)
-            where = f"{_count(n, 'row')} on {_count(k, 'device')}"
+            where = f"{count(n, 'row')} on {count(k, 'device')}"
             assert [len(s) for s in got] == [len(c) for c in want], (
                 f"{where}: shards of {[len(s) for s in got]}, torch.chunk "
                 f"gives {[len(c) for c in want]}")
@@ -332,7 +327,7 @@ def check_parallel_loss(parallel_loss: Callable | None) -> None:
         (want_grad,) = torch.autograd.grad(want, [module.weight])
         with _Gathered(7) as mode:
             got = parallel_loss(module, X, y, _devs(k))
-        where = f"{n} examples on {_count(k, 'device')}"
+        where = f"{n} examples on {count(k, 'device')}"
         if mode.seen:
             return print("not quite: the outputs were gathered (torch.cat); compute each "
                          "shard's loss on its own device and add up the losses")

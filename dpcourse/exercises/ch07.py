@@ -15,7 +15,7 @@ from ..ddp import make_buckets
 from ..experiments.rank_demos import TwoHeads
 from ..lenet import init_lenet_params, lenet_model
 from ..p2p import ring_chunks
-from . import answered, forbidden, is_int, is_number
+from . import answered, count, forbidden, is_int, is_number
 
 RING_CASES = [(n, world) for world in (1, 2, 3, 4, 5, 8) for n in (0, 1, 2, 3, 5, 7, 10, 11, 1001)]
 
@@ -279,11 +279,6 @@ def _every_step_adds(n: int, world: int) -> list[torch.Tensor]:
     return [torch.cat(h) for h in held]
 
 
-def _count(n: int, noun: str) -> str:
-    """'1 element', '3 elements': n and the noun, plural unless n is 1."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def check_plain_ring(ring: Callable[[torch.Tensor], int]) -> str:
     """On each rank: your plain_ring_allreduce sums int64 tensors of several sizes in place,
     with send and receive only, and returns the elements this rank sent."""
@@ -299,10 +294,10 @@ def check_plain_ring(ring: Callable[[torch.Tensor], int]) -> str:
                 "receive, not add to it" if torch.equal(mine, _every_step_adds(n, world)[rank])
                 else "")
         assert len(wrong) == 0, (
-            f"{_count(n, 'element')}: element {wrong[0].item()} is {mine[wrong[0]].item()}, "
+            f"{count(n, 'element')}: element {wrong[0].item()} is {mine[wrong[0]].item()}, "
             f"the sum over the ranks is {want[wrong[0]].item()}{slip}")
         should = ring_sent_reference(n, world, rank)
-        assert sent == should, (f"{_count(n, 'element')}: returns {sent!r} elements sent, but "
+        assert sent == should, (f"{count(n, 'element')}: returns {sent!r} elements sent, but "
                                 f"the chunks it sent hold {should}")
     return (f"plain_ring_allreduce is right: the sum on {world} ranks for 0 to 3001 elements, "
             "send and receive only, and the elements each rank sent")
@@ -417,7 +412,7 @@ def _check_ddp_steps(cls: type, what: str) -> None:
                 "bucket.future = None once its average is written")
             order = [c[0] for c in step["calls"]]
             assert order == list(range(len(buckets))), (
-                f"{_count(len(buckets), 'bucket')}: the comm hook got buckets {order} in one "
+                f"{count(len(buckets), 'bucket')}: the comm hook got buckets {order} in one "
                 f"backward; want each once, in index order {list(range(len(buckets)))}")
             for i, flat, params, last in step["calls"]:
                 assert len(params) == len(buckets[i]) and all(
@@ -432,7 +427,7 @@ def _check_ddp_steps(cls: type, what: str) -> None:
                     f"bucket {i}'s buffer is not this rank's finished gradients "
                     "of its parameters, flattened in order (launched before they were ready?)")
             assert step["launched in backward"] == len(buckets), (
-                f"{_count(len(buckets), 'bucket')}: only {step['launched in backward']} "
+                f"{count(len(buckets), 'bucket')}: only {step['launched in backward']} "
                 "launched while backward ran; launch each as soon as it and those before it "
                 "are ready")
         difference = max_relative_difference(found["got"], found["global"])

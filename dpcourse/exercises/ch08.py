@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 from ..cost_model import AlphaBeta, allreduce_cost, predict_ddp_overhead
 from ..experiments.performance import MIB
 from ..shm import SharedBuffers, SharedMemoryAllreduce
-from . import answered, forbidden, is_number
+from . import answered, count, forbidden, is_number
 from .yours import on_ranks
 
 PREDICT_BYTES = 3 * MIB  # exercise 1: a size the chapter's sweep (powers of 4) never measures
@@ -186,11 +186,6 @@ def _inputs(rank: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.
     return torch.randint(-99, 100, (numel,), generator=gen).to(dtype)
 
 
-def _count(n: int, noun: str) -> str:
-    """'1 element', '3 elements': n and the noun, plural unless n is 1."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def _sync(group: dist.ProcessGroup | None) -> None:
     dist.barrier(group=group)
 
@@ -222,7 +217,7 @@ def _check_buffers(shm: SharedBuffers, numel: int, phase: str) -> None:
             want = _expected_region(q, r, numel, shm.world, phase)
             got, n = regions[q][r], want.numel()
             assert torch.equal(got[:n], want) and bool((got[n:] == SENTINEL).all()), (
-                f"{_count(numel, 'number')} on {shm.world} ranks, after {phase}: region {r} of "
+                f"{count(numel, 'number')} on {shm.world} ranks, after {phase}: region {r} of "
                 f"rank {q}'s buffer {_region_hint(q, r, phase)}")
 
 
@@ -331,7 +326,7 @@ def check_gather(cls: type) -> str:
             wrong = [q for q, (a, b) in enumerate(zip(slices, want.tensor_split(shm.world)))
                      if not torch.equal(a, b)]
             assert not wrong, (
-                f"{_count(numel, 'number')} on {shm.world} ranks: slice {wrong[0]} of the tensor "
+                f"{count(numel, 'number')} on {shm.world} ranks: slice {wrong[0]} of the tensor "
                 f"is not dist.all_reduce's sum: copy region {wrong[0]} of rank {wrong[0]}'s buffer "
                 f"(regions[{wrong[0]}][{wrong[0]}]) into it")
     return (f"_gather is right: on {dist.get_world_size()} ranks every tensor holds "

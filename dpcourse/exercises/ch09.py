@@ -16,15 +16,10 @@ from ..lenet import lenet_model
 from ..memory import STAGES, bytes_per_rank
 from ..zero import GradientSharding, ShardedOptimizer, partition
 from ..experiments.zero_demos import activation_bytes
-from . import answered, is_int, is_number
+from . import answered, count, is_int, is_number
 
 GPUS, GPU_BYTES = 8, 80 * 10**9
 MIXED = {"param_bytes": 2, "grad_bytes": 2, "state_bytes": 12}
-
-
-def _count(n: int, noun: str) -> str:
-    """'1 element', '3 elements': n and the noun, plural unless n is 1."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def largest_model(stage: str, gpus: int = GPUS, gpu_bytes: float = GPU_BYTES,
@@ -264,7 +259,7 @@ def check_share_parameters(cls: type) -> str:
             "_share_parameters: every rank in turn broadcasts its shard (src=that rank) and "
             "the others copy it into their parameters")
     assert len(calls) <= len(kinds), (
-        f"{_count(len(calls), 'broadcast')} for {_count(len(kinds), '(owner, dtype) pair')}: "
+        f"{count(len(calls), 'broadcast')} for {count(len(kinds), '(owner, dtype) pair')}: "
         "send each owner's shard as one flat buffer per dtype (torch.cat of the flattened "
         "parameters)")
     return (f"_share_parameters is right: on {dist.get_world_size()} ranks every parameter "
@@ -338,8 +333,8 @@ def check_reduce_scatter_hook(hook: Callable) -> str:
                 finally:
                     dist.reduce_scatter = reduce_scatter
                 assert len(calls) == len(ddp.buckets), (
-                    f"{_count(len(calls), 'call')} of dist.reduce_scatter for "
-                    f"{_count(len(ddp.buckets), 'bucket')}: "
+                    f"{count(len(calls), 'call')} of dist.reduce_scatter for "
+                    f"{count(len(ddp.buckets), 'bucket')}: "
                     "reduce-scatter each bucket once (no allreduce)")
                 for i, (p, r) in enumerate(zip(model.parameters(), whole.parameters())):
                     if opt.owner(p) != rank:

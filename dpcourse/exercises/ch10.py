@@ -12,16 +12,11 @@ from torch import nn
 from ..data_parallel import max_relative_difference
 from ..fsdp import flat_shard, padded_numel
 from ..lenet import lenet_layers
-from . import answered, is_int, is_number, one_line_failure
+from . import answered, count, is_int, is_number, one_line_failure
 
 # --- the flat parameters (step 2), checked in the notebook's own process --------------------
 
 SIZES = [1, 2, 5, 7, 12, 200]  # numels: smaller than, equal to and larger than the ranks
-
-
-def _count(n: int, noun: str) -> str:
-    """'1 element', '3 elements': n and the noun, plural unless n is 1."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def check_padded_numel(padded: Callable[[int, int], int]) -> str:
@@ -85,8 +80,8 @@ def check_unflatten(unflatten: Callable[[torch.Tensor, list[torch.Size]], list[t
                                                    - flat.numel())])
             got = unflatten(full, [p.shape for p in params])
             assert len(got) == len(params), (
-                f"unflatten returned {_count(len(got), 'tensor')} for "
-                f"{_count(len(params), 'shape')}: one per shape")
+                f"unflatten returned {count(len(got), 'tensor')} for "
+                f"{count(len(params), 'shape')}: one per shape")
             for p, view in zip(params, got):
                 assert view.shape == p.shape, (
                     f"a view has shape {tuple(view.shape)}, want {tuple(p.shape)}: .view(shape)")
@@ -313,7 +308,7 @@ def check_units_for_budget(choose_units: Callable[[list[int], int, int], Units] 
                 or any(not u for u in units) or peak_gathered(units, numels, world) > budget
                 or len(units) != want):
             print(f"not quite: choose_units({numels}, {world}, {budget}) returns {got!r}, "
-                  f"{_count(want, 'unit')} will do: {_units_hint(got, numels, world, budget)}")
+                  f"{count(want, 'unit')} will do: {_units_hint(got, numels, world, budget)}")
             return
     lenet = BUDGET_CASES[0]
     best = fewest_units(*lenet)

@@ -11,15 +11,10 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ..fsdp import flat_shard, padded_numel
-from . import answered, is_int, is_number, one_line_failure
+from . import answered, count, is_int, is_number, one_line_failure
 
 INDEX_CASES = [(100, 12, 3), (96, 12, 4), (20, 4, 2), (7, 7, 1)]  # (n, global batch, seed)
 SHARD_CASES = [(10, 3, 2), (10, 2, 4), (7, 1, 3), (9, 4, 1), (12, 4, 3)]  # (numel, k, new k)
-
-
-def _count(n: int, noun: str) -> str:
-    """'1 element', '3 elements': n and the noun, plural unless n is 1."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def reference_indices(n: int, global_batch: int, world: int, rank: int, step: int,
@@ -85,7 +80,7 @@ def check_reshard(reshard: Callable[[list[torch.Tensor], int, int], list[torch.T
         want = [flat_shard(whole, r, after) for r in range(after)]
         where = f"{numel} elements, from {before} rank{'s' * (before > 1)} to {after}"
         if len(got) != after:
-            raise AssertionError(f"{where}: {_count(len(got), 'shard')}, expected one per new "
+            raise AssertionError(f"{where}: {count(len(got), 'shard')}, expected one per new "
                                  f"rank: {after}")
         for r, (mine, right) in enumerate(zip(got, want)):
             if mine.shape != right.shape:
