@@ -18,7 +18,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # course.py and tools/, whose functions build the downloads
 import course  # noqa: E402
-from tools.markers import MARKERS  # noqa: E402
+from tools.markers import reader_source  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 OUT = ROOT / "build" / "site"
@@ -27,20 +27,11 @@ OUT = ROOT / "build" / "site"
 # site's branch gh-pages (.github/workflows/site.yml). Empty: no Colab links.
 REPOSITORY = ""
 PAGES_BRANCH = "gh-pages"
-TOOL_LINES = (*MARKERS, "# NBVAL_CHECK_OUTPUT")
 
 
 def chapters() -> list[Path]:
     """The chapters' notebooks, in order."""
     return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-
-
-def reader_source(source: str) -> str:
-    """A code cell's source without the lines for the tools (and the blank lines they lead)."""
-    lines = [line for line in source.split("\n") if line.strip() not in TOOL_LINES]
-    while lines and not lines[0].strip():
-        lines.pop(0)
-    return "\n".join(lines)
 
 
 def colab_url(name: str, repository: str) -> str:
