@@ -174,6 +174,7 @@ class ScratchFSDP(nn.Module):
             unit.module.register_forward_pre_hook(partial(self._before_unit, unit),
                                                   with_kwargs=True),
             unit.module.register_forward_hook(partial(self._after_unit, unit)))]
+        self._guard_frozen()
         self._start_bookkeeping()
 
     def _start_bookkeeping(self) -> None:
@@ -287,20 +288,29 @@ class ScratchFSDP(nn.Module):
 
     def _recomputing(self, unit: Unit) -> bool:
         """Whether unit runs because backward recomputes it (activation checkpointing); an
-        error if it runs outside the wrapper's forward and backward, or if its frozen
-        parameters would be recomputed without the compute_dtype cast forward gave them."""
+        error if it runs outside the wrapper's forward and backward."""
         if self._in_forward:
             return False
         if torch._C._current_graph_task_id() == -1:  # not inside a backward either
             raise RuntimeError(f"ScratchFSDP: unit {unit.name} was called outside the "
                                "wrapper's forward; call the wrapper (model(x)), which gathers "
                                "each unit as it runs")
-        if self.compute_dtype is not None and any(
-                p.is_floating_point() for p in unit.module.parameters()):
-            raise RuntimeError(f"ScratchFSDP: unit {unit.name}, which holds frozen parameters, "
-                               "recomputed by activation checkpointing with compute_dtype: not "
-                               "supported (the recompute would not cast them as forward did)")
         return True
+
+    def _guard_frozen(self) -> None:
+        """With compute_dtype, every module that holds frozen parameters refuses to be
+        recomputed by activation checkpointing: forward ran them cast, a recompute would not."""
+        for m in self.module.modules() if self.compute_dtype is not None else []:
+            if any(p.is_floating_point() for p in m.parameters(recurse=False)):
+                self._hooks.append(m.register_forward_pre_hook(self._refuse_recompute,
+                                                               prepend=True))
+
+    def _refuse_recompute(self, module: nn.Module, args: tuple) -> None:
+        if not self._in_forward and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(f"ScratchFSDP: {type(module).__name__}, which holds frozen "
+                               "parameters, recomputed by activation checkpointing with "
+                               "compute_dtype: not supported (the recompute would not cast "
+                               "them as forward did)")
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         """What autograd saves: a note in place of a view of gathered parameters."""
