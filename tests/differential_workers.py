@@ -212,6 +212,11 @@ class FullyShardSide(ScratchFSDPSide):
 
     def wrap(self, net: Net) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        if net.checkpoint_mode == "reentrant" and net.checkpointed == "shared" and net.twice:
+            # fully_shard leaves the gradient of a module that a reentrant checkpoint runs
+            # twice a plain tensor, not its sharded DTensor (torch 2.14). The same gradients,
+            # recomputed otherwise:
+            net.checkpoint_mode = "non_reentrant"
         bf16 = (torch.bfloat16, torch.bfloat16) if self.case["bf16"] else (None, None)
         for child in net.children():  # bfloat16 from unit to unit; float32 out of the root
             if any(p.requires_grad for p in child.parameters()):

@@ -14,7 +14,10 @@ case as not supported). Allowed differences, named where they are allowed: Scrat
 zeros to a parameter no rank used in a step, torch's DDP leaves it None; DiLoCo averages
 buffers, DDP broadcasts rank 0's; DiLoCo's sync clears the gradients, so gradients kept
 across steps are not drawn for it; torch's DDP sends rank 0's buffers in a forward without
-grad too, ScratchDDP not (buffers_comparable follows both rules, forward by forward). The
+grad too, ScratchDDP not (buffers_comparable follows both rules, forward by forward). Where
+torch cannot follow a reentrant checkpoint (DDP with find_unused_parameters; fully_shard on
+a module the checkpoint runs twice), its side recomputes non-reentrantly: the same gradients.
+The
 last tests interrupt train_ddp's own run at a drawn step and resume it from its checkpoint:
 it must end bitwise as the run uninterrupted (within 1e-12 in float64 where it resumes at
 another world size).
@@ -332,7 +335,9 @@ def test_our_comm_hooks_do_the_same_on_scratch_ddp_and_on_torch_ddp(drawn):
               pinned("fsdp", 3, [step(3)], checkpoint="reentrant", checkpointed="shared",
                      frozen=3, bf16=True),  # frozen shared.bias, recomputed: ours refuses
               pinned("fsdp", 3, [step(3)], batches=[1, 1, 1], seed=0, conv=True, bias=False,
-                     checkpoint="reentrant", checkpointed="head", frozen=9, bf16=True)]))
+                     checkpoint="reentrant", checkpointed="head", frozen=9, bf16=True),
+              pinned("fsdp", 3, [step(3)], checkpoint="reentrant", checkpointed="shared",
+                     twice=True)]))
 # (the last: a head with only a frozen weight is no unit, and it failed in the recompute,
 # float32 against bfloat16; 100 examples of seed 20261128 found it)
 @examples(in_ci=2)
