@@ -787,3 +787,53 @@ def show_elastic_run(events: list[tuple[float, int, str]], seen: dict[int, tuple
     curve.set_title("2 -> 1 -> 2 nodes over the uninterrupted run", fontsize=9)
     curve.legend(fontsize=7)
     _show(fig)
+
+
+# ---- chapter 13 ----
+
+SIGNAL_MARKS = {"SIGKILL": ("X", "killed"), "exited -9": ("X", "killed"),
+                "SIGSTOP": ("v", "stopped"), "stopped": ("v", "stopped"),
+                "SIGCONT": ("^", "continued"), "started": (">", "started")}
+
+
+def show_ft_timeline(events: list[dict], signals: list[tuple[float, str, str]],
+                     uninterrupted: list[float]) -> None:
+    """Left: a timeline per replica (ft_runs' events): each committed step a dot coloured by
+    its quorum id, each aborted attempt a red x, each recovery a star, and what Replicas
+    noted in signals (kills, stops, continues, starts). Right: the loss of each committed
+    step over the uninterrupted run's, coloured by the number of members."""
+    fig, (timeline, curve) = plt.subplots(1, 2, figsize=(9, 2.8), width_ratios=[1.4, 1])
+    names = sorted({e["name"] for e in events})
+    row, start = {name: i for i, name in enumerate(names)}, min(t for t, _, _ in signals)
+    for e in events:
+        x, y = e["time"] - start, row[e["name"]]
+        if e.get("decision") == "commit":
+            timeline.plot(x, y, ".", color=f"C{e['qid'] % 10}", ms=3)
+        elif e.get("decision") == "abort":
+            timeline.plot(x, y, "x", color="red", ms=6)
+        elif e["event"] == "heal":
+            timeline.plot(x, y, "*", color="green", ms=9)
+    first_start = {}
+    for t, name, what in signals:
+        own_start = what == "started" and first_start.setdefault(name, t) == t
+        if own_start or what not in SIGNAL_MARKS:
+            continue  # the run's own start, or an end
+        mark, label = SIGNAL_MARKS[what]
+        below = label in ("started", "continued")  # a kill and its restart come together
+        timeline.plot(t - start, row[name], mark, color="black", ms=6)
+        timeline.annotate(label, (t - start, row[name]), xytext=(-8, -12 if below else 6),
+                          textcoords="offset points", fontsize=6)
+    timeline.set(xlabel="seconds since the start", yticks=range(len(names)), yticklabels=names,
+                 ylim=(-0.7, len(names) - 0.3))
+    timeline.set_title("Commits (colour: quorum id), aborts (x), recoveries (*)", fontsize=9)
+    curve.plot(range(len(uninterrupted)), uninterrupted, "-", color="0.6", lw=1,
+               label="uninterrupted, 1 process")
+    losses = {e["step"]: (e["loss"], e["size"]) for e in events if e.get("decision") == "commit"}
+    for size in sorted({q for _, q in losses.values()}):
+        steps = [s for s, (_, q) in losses.items() if q == size]
+        curve.plot(steps, [losses[s][0] for s in steps], "o", ms=3, color=f"C{size}",
+                   label=f"{size} member{'s' if size > 1 else ''}")
+    curve.set(xlabel="step", ylabel="loss of the global batch")
+    curve.set_title("Each committed step over the uninterrupted run", fontsize=9)
+    curve.legend(fontsize=7)
+    _show(fig)

@@ -327,6 +327,28 @@ def check_two_nodes() -> str:
     return "2 torchrun agents, gloo"
 
 
+def check_never_stops() -> str:
+    """Chapter 13: two train_ft replicas and a lighthouse on this machine, in float64; one is
+    killed during its allreduce at step 3 and started again: it heals from the other, and
+    the run ends within 1e-12 of one process (1e-10 on a GPU: other kernels)."""
+    from .experiments.ft_runs import EXACT, Replicas, one_process_run
+    gpu = torch.cuda.is_available()
+    kill = [{"phase": "allreduce", "step": 3, "how": "kill", "restart": True}]
+    with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as folder:
+        flags = ["--steps", "8", "--global-batch-size", "16", "--train-size", "160",
+                 "--checkpoint", f"{folder}/ckpt.pt", *EXACT]
+        with Replicas(Path(folder), flags, gpus=gpu) as replicas:
+            codes = replicas.run({"r0": [], "r1": kill}, timeout=180)
+            healed = any(e["event"] == "heal" for e in replicas.events())
+        final = torch.load(f"{folder}/ckpt.pt", weights_only=True)["model"]
+    _, reference = one_process_run(flags)
+    gap = max((final[k] - reference[k]).abs().max().item() for k in reference)
+    if codes != {"r0": 0, "r1": 0} or not healed or not gap <= (1e-10 if gpu else 1e-12):
+        raise AssertionError(f"exit codes {codes}, healed {healed}, off by {gap:.1e} from one "
+                             "process")
+    return "2 replicas, gloo" + (", cuda:0 (gloo sums CPU copies)" if gpu else ", cpu")
+
+
 LOCAL = [Check("00", "tensors to each device and back", check_tensors),
          Check("01", "profile_steps and LeNet's output on 2 devices", check_profile),
          Check("02", "one SGD step of LeNet on each of 2 devices", check_sgd_step),
@@ -335,7 +357,8 @@ LOCAL = [Check("00", "tensors to each device and back", check_tensors),
          Check("06", "ScratchDataParallel (and nn.DataParallel on real GPUs)",
                check_data_parallel)]
 LATER = [Check("12", "2 processes resumed on 1: within 1e-12 in float64", check_elastic),
-         Check("12", "2 nodes: a worker killed, both restart and resume", check_two_nodes)]
+         Check("12", "2 nodes: a worker killed, both restart and resume", check_two_nodes),
+         Check("13", "2 replicas, one killed and healed: as one process", check_never_stops)]
 
 
 def rank_rows(world_size: int = 2, checks: list[RankCheck] | None = None

@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="the parameters' and images' dtype (default float32)")
     p.add_argument("--seed", type=int, default=0, help="initial weights and shuffling")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where this replica trains (default auto: its GPU, cuda:LOCAL_RANK, if "
+                        "it has one); gloo sums CPU copies across replicas either way")
     p.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
                    help="load PATH at start if it exists; the quorum's first member writes it "
                         "every --checkpoint-every steps and at the end, never over a later step")
@@ -81,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.global_batch_size, args.steps, args.checkpoint_every, args.max_aborts) < 1:
         p.error("--global-batch-size, --steps, --checkpoint-every and --max-aborts need >= 1")
+    if args.global_batch_size > args.train_size:
+        p.error(f"--global-batch-size {args.global_batch_size} is more than --train-size "
+                f"{args.train_size}")
     if args.timeout <= 0 or args.momentum < 0 or args.warmup < 0:
         p.error("--timeout needs more than 0; --momentum and --warmup at least 0")
     return args
@@ -109,15 +115,10 @@ class Replica:
         self.opt.load_state_dict(state["optimizer"])
         self.step, self.qid = state["step"], state["qid"]
 
-    def gradient_sum(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The sum of the per-sample gradients of these samples, flat, on the CPU."""
-        loss = F.cross_entropy(self.model(images), labels, reduction="sum")
-        grads = torch.autograd.grad(loss, list(self.model.parameters()))
-        return torch.cat([g.reshape(-1) for g in grads]).cpu()
-
     def commit(self, summed: torch.Tensor, qid: int) -> None:
-        """The optimizer step with the global batch's mean gradient (summed / G) at the step's
-        learning rate, and the version moved on: together."""
+        """The optimizer step with the global batch's mean gradient (summed: the members'
+        gradient sums added, divided by G) at the step's learning rate, and the version moved
+        on: together."""
         mean = (summed / self.args.global_batch_size).to(self.device)
         for p, g in zip(self.model.parameters(), mean.split([p.numel() for p in
                                                              self.model.parameters()])):
@@ -127,6 +128,30 @@ class Replica:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step, self.qid = self.step + 1, qid
+
+
+def gradient_sum(model: nn.Module, images: torch.Tensor,
+                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of the per-sample gradients of these samples (flat, on the CPU), and of their
+    losses: sums, so that members' shares of any size add up to the global batch's."""
+    loss = F.cross_entropy(model(images), labels, reduction="sum")
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return torch.cat([g.reshape(-1) for g in grads]).cpu(), loss.detach().cpu()
+
+
+def members_mean_gradient(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                          global_batch: int, members: int, step: int,
+                          seed: int) -> torch.Tensor:
+    """Global batch `step`'s mean gradient (flat) as `members` replicas make it, written out in
+    one process: member i takes its cut of the batch (elastic.rank_indices), sums its
+    per-sample gradients (gradient_sum), the sums are added (the allreduce) and divided by
+    the global batch size, whatever the cut."""
+    total = 0
+    for member in range(members):
+        samples = rank_indices(len(images), global_batch, members, member, step, seed)
+        summed, _ = gradient_sum(model, images[samples], labels[samples])
+        total = total + summed
+    return total / global_batch
 
 
 def learning_rate(args: argparse.Namespace, step: int) -> float:
@@ -228,9 +253,10 @@ class Steps:
                 self.membership.store, quorum.id, replica.step, quorum.size, summed is not None,
                 args.timeout))
             self.log("decision", qid=quorum.id, step=replica.step, size=quorum.size,
-                     decision="commit" if commit else "abort")
+                     decision="commit" if commit else "abort",
+                     loss=summed[-1].item() / args.global_batch_size if commit else None)
             if commit:
-                replica.commit(summed, quorum.id)
+                replica.commit(summed[:-1], quorum.id)
                 self.committed(quorum)
                 bar.update(replica.step - bar.n)
                 bar.set_postfix(quorum=quorum.id, members=quorum.size, refresh=False)
@@ -240,8 +266,8 @@ class Steps:
         bar.close()
 
     def attempt(self, quorum: Quorum) -> torch.Tensor | None:
-        """This member's part of the step in quorum: the summed gradients after the
-        allreduce, or None if anything failed (the gloo error is logged)."""
+        """This member's part of the step in quorum: the members' gradient sums (and loss sum,
+        last) after the allreduce, or None if anything failed (the gloo error is logged)."""
         replica, args = self.replica, self.args
         rank = quorum.members.index(self.membership.replica_id)
         try:
@@ -254,8 +280,9 @@ class Steps:
                                    replica.step, args.seed)
             self.log("attempt", qid=quorum.id, step=replica.step, samples=samples)
             self.at("forward", replica.step)
-            summed = replica.gradient_sum(self.images[samples].to(replica.device),
-                                          self.labels[samples].to(replica.device))
+            grads, loss = gradient_sum(replica.model, self.images[samples].to(replica.device),
+                                       self.labels[samples].to(replica.device))
+            summed = torch.cat([grads, loss.reshape(1)])  # the loss rides along, for the log
             work = self.group.allreduce([summed])
             self.at("allreduce", replica.step)
             work.wait()
@@ -314,9 +341,19 @@ class Steps:
         return True
 
 
+def training_device(choice: str) -> torch.device:
+    """cpu, or cuda:LOCAL_RANK (torchrun's, else 0); auto: cuda if this host has a GPU."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no GPU here")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if choice == "cuda" \
+        else torch.device("cpu")
+
+
 def train(args: argparse.Namespace, at: Phase = lambda phase, step: None) -> Replica:
     """Train as one replica until --steps are committed; return the replica."""
-    device, source = torch.device("cpu"), resolve_source(args.data)
+    device, source = training_device(args.device), resolve_source(args.data)
     images, labels = fashion_mnist("train", args.train_size, source).tensors
     replica = Replica(args, device)
     replica_id = f"{args.name}-{uuid.uuid4().hex[:6]}"  # fresh at each start

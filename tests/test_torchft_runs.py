@@ -1,10 +1,12 @@
 """Chapter 13 beside torchft 0.2.0: the same failure at the same step, under both (skipped,
 saying why, where torchft cannot be installed), and the benchmark's table."""
 import pytest
+import torch
 
 from dpcourse import bench
 from dpcourse.experiments import torchft_runs
-from dpcourse.experiments.torchft_runs import failure_figures, samples_skipped
+from dpcourse.experiments.ft_runs import memberships, one_process_run, replay
+from dpcourse.experiments.torchft_runs import kill_and_restart, samples_skipped
 
 AVAILABLE, WHY = torchft_runs.available()
 
@@ -28,19 +30,29 @@ def test_samples_skipped_counts_the_samples_of_each_batch_no_commit_used():
 
 
 @pytest.mark.skipif(not AVAILABLE, reason=f"the comparison with torchft is skipped: {WHY}")
-def test_the_same_failure_under_torchft_skips_samples_and_ours_none(tmp_path):
-    ours, theirs = (failure_figures(tmp_path, torchft, repeats=1, command=False)
-                    for torchft in (False, True))
-    print(f"\nr1 killed at step {torchft_runs.KILL_AT}: ours skipped {ours['samples_skipped']} "
-          f"samples, ends {ours['gap']:.1e} from one process; torchft 0.2.0 skipped "
-          f"{theirs['samples_skipped']}, ends {theirs['gap']:.1e} from it")
-    assert ours["samples_skipped"] == 0 and ours["gap"] <= 1e-12
-    assert theirs["samples_skipped"] >= 16 and theirs["gap"] > 1e-6  # a shard and a step
+def test_the_same_failure_under_torchft_beside_ours(tmp_path):
+    """r1 killed at step 10 of 30 and started again, under both: ours keeps every sample and is
+    one process replaying its memberships, bitwise; torchft's figures are printed beside."""
+    flags = [*torchft_runs.FAILURE_FLAGS, "--steps", "30"]
+    _, reference = one_process_run(flags)
+    runs = {}
+    for name, torchft in (("ours", False), ("torchft 0.2.0", True)):
+        folder = tmp_path / name
+        folder.mkdir()
+        runs[name] = kill_and_restart(folder, [*flags, "--checkpoint", str(folder / "ckpt.pt")],
+                                      torchft, 10, torchft_runs.RULES)
+        gap = max((runs[name]["final"][k] - reference[k]).abs().max().item() for k in reference)
+        print(f"\n{name}: r1 killed at step 10: {runs[name]['samples_skipped']} samples skipped,"
+              f" the parameters end {gap:.1e} from one uninterrupted process")
+        if not torchft:
+            assert runs[name]["samples_skipped"] == 0 and gap <= 1e-12
+    replayed = replay(flags, memberships(runs["ours"]["events"]))
+    assert all(torch.equal(replayed[k], runs["ours"]["final"][k]) for k in replayed)
 
 
 def test_the_benchmark_prints_the_issue_s_table_with_each_goal(monkeypatch, capsys):
     measured = {False: {"kill_to_next_commit_s": 1.1, "start_to_first_commit_s": 2.0,
-                        "samples_skipped": 0, "gap": 2e-15, "runs": 3},
+                        "samples_skipped": 0, "gap": 2e-15, "replay_gap": 0.0, "runs": 3},
                 True: {"kill_to_next_commit_s": 1.0, "start_to_first_commit_s": 5.0,
                        "samples_skipped": 48, "gap": 0.5, "runs": 3}}
     monkeypatch.setattr(torchft_runs, "available", lambda: (True, ""))

@@ -5,7 +5,8 @@ A schedule draws 2-4 replicas and 1-2 failures: which replica, at which step, in
 (before its quorum request, in forward/backward, during the allreduce, between the allreduce
 and the vote, while it serves a recovery), killed (SIGKILL; started again or not) or stopped
 and continued after a pause shorter or longer than the heartbeat timeout; two failures may
-strike at the same moment. The failures are injected inside the replica (tests/ft_workers.py).
+strike at the same moment. The failures are injected inside the replica
+(ft_runs.replica_with_faults).
 The property, from what each replica logged before acting: no survivor's process restarts;
 every step is committed exactly once (twice only if every member of its quorum died and a
 checkpoint was used), by members whose samples are disjoint and make up global batch s, and
@@ -32,11 +33,11 @@ from hypothesis import strategies as st
 
 from dpcourse import train_ft
 from dpcourse.elastic import rank_indices
-from dpcourse.experiments.ft_runs import EXACT, Replicas, one_process_run, read_events
+from dpcourse.experiments.ft_runs import (EXACT, Replicas, one_process_run, read_events,
+                                          replica_with_faults)
 from dpcourse.experiments.nodes import free_port
 from dpcourse.lighthouse import Rules
 from dpcourse.recovery import digest
-from ft_workers import replica_with_faults
 from test_differential import examples
 
 STEPS, G, N = 40, 22, 220  # 10 global batches per epoch, 4 epochs; 3 or 4 members: uneven
@@ -80,12 +81,7 @@ def run_schedule(folder: Path, schedule: dict) -> tuple[dict, list[dict], float]
               for i, name in enumerate(names)}
     started = time.monotonic()
     with Replicas(folder, flags(folder), RULES) as replicas:
-        replicas.start_together(names, replica_with_faults,
-                                {name: (faults[name],) for name in names})
-        codes = replicas.supervise(
-            BOUND_S, restarts={n: sum(f["restart"] for f in faults[n]) for n in names},
-            pauses={n: [f["pause"] for f in faults[n] if f["how"] == "stop"] for n in names},
-            start=lambda name: replicas.start(name, replica_with_faults, []))  # no faults
+        codes = replicas.run(faults, BOUND_S)
         note(replicas.outputs())
         processes = {n: [p.pid for p in replicas.procs[n]] for n in names}
     return {"codes": codes, "processes": processes}, replicas.events(), \

@@ -3,10 +3,12 @@ replicas logged, read back.
 
 ``Replicas`` hosts a lighthouse (threads of this process) and starts each replica as a process
 of its own: forked from a server that imported torch once (a start in a fraction of a second),
-or as a user would, ``python -m dpcourse.train_ft`` (imports included). It kills (SIGKILL),
-stops (SIGSTOP) and continues replicas, supervises them as torchrun's ``--max-restarts`` would
-(``supervise``), and ``close`` ends every process it started. ``one_process_run`` is the
-uninterrupted reference, written without train_ft. Linux only (signals, /proc).
+or as a user would, ``python -m dpcourse.train_ft`` (imports included). Failures come from
+outside (``signal``: SIGKILL, SIGSTOP, SIGCONT) or from inside a replica, at a named point of
+a step (``replica_with_faults``); ``supervise`` restarts and continues replicas as torchrun's
+``--max-restarts`` would, ``run`` does both for a set of faults, and ``close`` ends every
+process started. ``audit`` sums up a run's events; ``one_process_run`` is the uninterrupted
+reference, written without train_ft. Linux only (signals, /proc).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -37,9 +40,14 @@ from .nodes import environment as nodes_environment
 EXACT = ("--dtype", "float64", "--momentum", "0.9", "--warmup", "4", "--lr", "0.05")
 
 
-def environment() -> dict[str, str]:
-    """Chapter 12's (offline data, one thread, no GPU), gloo over the loopback interface."""
-    return {**nodes_environment(), "GLOO_SOCKET_IFNAME": "lo"}
+def environment(gpus: bool = False) -> dict[str, str]:
+    """Chapter 12's (offline data, one thread, no GPU unless gpus), gloo over the loopback
+    interface."""
+    env = {**nodes_environment(), "GLOO_SOCKET_IFNAME": "lo"}
+    if gpus:
+        env.pop("CUDA_VISIBLE_DEVICES")
+        env.update({k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in os.environ})
+    return env
 
 
 def run_replica(argv: list[str], environ: dict[str, str], out: str, together: Any = None,
@@ -72,13 +80,36 @@ def run_replica(argv: list[str], environ: dict[str, str], out: str, together: An
     exit_without_shutdown(code)
 
 
+def replica_with_faults(argv: list[str], environ: dict[str, str], out: str,
+                        together: Any, faults: list[dict]) -> None:
+    """run_replica, failing on purpose at named points of a step. A fault: "phase" (one of
+    train_ft's: quorum, serve, forward, allreduce, vote), "step" (the first attempt at or
+    after it), "how": "kill" (SIGKILL itself), "stop" (SIGSTOP itself: Replicas.supervise
+    continues it after a pause) or "delay" ("seconds" of sleep at every attempt at exactly
+    that step: a member slower than the others)."""
+    pending = list(faults)
+
+    def at(phase: str, step: int) -> None:
+        for fault in list(pending):
+            if fault["phase"] != phase:
+                continue
+            if fault["how"] == "delay" and step == fault["step"]:
+                time.sleep(fault["seconds"])
+            elif fault["how"] != "delay" and step >= fault["step"]:
+                pending.remove(fault)
+                os.kill(os.getpid(), signal.SIGKILL if fault["how"] == "kill" else
+                        signal.SIGSTOP)
+    run_replica(argv, environ, out, together, at)
+
+
 class Replicas:
     """A lighthouse with rules (or the one at address), and replicas of train_ft with flags,
-    named; each replica logs its events to folder/NAME.jsonl and prints to folder/NAME.out."""
+    named, hiding the GPUs unless gpus; each replica logs its events to folder/NAME.jsonl and
+    prints to folder/NAME.out."""
 
     def __init__(self, folder: Path, flags: Sequence[str], rules: Rules = Rules(),
-                 tick: float = 0.02, address: str | None = None) -> None:
-        self.folder, self.flags = folder, list(flags)
+                 tick: float = 0.02, address: str | None = None, gpus: bool = False) -> None:
+        self.folder, self.flags, self.environment = folder, list(flags), environment(gpus)
         self.lighthouse = None if address else Lighthouse(rules=rules, tick=tick).start()
         self.address = address or self.lighthouse.address
         self.procs: dict[str, list[Any]] = {}  # every process started, by name, in order
@@ -98,10 +129,10 @@ class Replicas:
         if command:
             with open(out, "ab") as f:
                 proc = subprocess.Popen([*command, *self.argv(name)], stdout=f,
-                                        stderr=subprocess.STDOUT, env=environment(),
+                                        stderr=subprocess.STDOUT, env=self.environment,
                                         start_new_session=True)
         else:
-            proc = self._ctx.Process(target=target, args=(self.argv(name), environment(),
+            proc = self._ctx.Process(target=target, args=(self.argv(name), self.environment,
                                                           str(out), together, *extra))
             proc.start()
         self.procs.setdefault(name, []).append(proc)
@@ -136,34 +167,71 @@ class Replicas:
             return psutil.STATUS_DEAD
 
     def supervise(self, timeout: float, restarts: dict[str, int] | None = None,
-                  pauses: dict[str, list[float]] | None = None,
+                  pauses: dict[str, list[float | Callable[[], bool]]] | None = None,
                   start: Callable[[str], Any] | None = None) -> dict[str, int]:
         """Wait until every replica's current process has ended; return their exit codes by
         name. A replica that ends non-zero is started again (start(name), by default
-        self.start, forked) while restarts[name] allows; one that stops is continued after the next
-        of pauses[name]. TimeoutError, naming what still runs, after timeout seconds."""
+        self.start, forked) while restarts[name] allows; one that stops is continued after
+        the next of pauses[name]: seconds, or a function of no argument, called from the
+        stop on, that says when. Each end and stop seen is noted in signals. TimeoutError,
+        naming what still runs, after timeout seconds."""
         restarts, pauses = dict(restarts or {}), {k: list(v) for k, v in (pauses or {}).items()}
-        deadline, resume_at = time.monotonic() + timeout, {}
-        while True:
-            for name in list(self.procs):
-                code = self.exit_code(self.current(name))
+        deadline, resume_at, ended = time.monotonic() + timeout, {}, set()
+        while True:  # each round on one reading of the exit codes: none ends unseen
+            codes = {name: self.exit_code(self.current(name)) for name in self.procs}
+            for name, code in codes.items():
+                if code is not None and self.current(name).pid not in ended:
+                    ended.add(self.current(name).pid)
+                    self.signals.append((time.time(), name, f"exited {code}"))
                 if code not in (None, 0) and restarts.get(name, 0) > 0:
                     restarts[name] -= 1
                     (start or self.start)(name)
+                    codes[name] = None  # running again
                 elif code is None and name not in resume_at and pauses.get(name) and \
                         self.status(name) == psutil.STATUS_STOPPED:
-                    resume_at[name] = time.monotonic() + pauses[name].pop(0)
-            for name, when in list(resume_at.items()):
-                if time.monotonic() >= when:
+                    self.signals.append((time.time(), name, "stopped"))
+                    pause = pauses[name].pop(0)
+                    resume_at[name] = pause if callable(pause) else (
+                        lambda until=time.monotonic() + pause: time.monotonic() >= until)
+            for name, due in list(resume_at.items()):
+                if due():
                     self.signal(name, signal.SIGCONT)
                     del resume_at[name]
-            running = [n for n in self.procs if self.exit_code(self.current(n)) is None]
+            running = [name for name, code in codes.items() if code is None]
             if not running and not resume_at:
-                return {n: self.exit_code(self.current(n)) for n in self.procs}
+                return codes
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas {running} still running after {timeout:g} s\n"
                                    + self.outputs())
             time.sleep(0.01)
+
+    def run(self, faults: dict[str, list[dict]], timeout: float = 300) -> dict[str, int]:
+        """Start the replicas named in faults together, each failing as its faults say
+        (replica_with_faults); one killed with "restart" is started again at once, without
+        faults (as torchrun --max-restarts would), one stopped is continued after "pause"
+        seconds, or once the others have committed "resume_after" steps without it. Their
+        exit codes."""
+        self.start_together(list(faults), replica_with_faults, {n: (f,) for n, f in
+                                                               faults.items()})
+        return self.supervise(
+            timeout, restarts={n: sum(bool(f.get("restart")) for f in fs)
+                               for n, fs in faults.items()},
+            pauses={n: [f["pause"] if "pause" in f else self.others_committed(n, f["resume_after"])
+                        for f in fs if f["how"] == "stop"] for n, fs in faults.items()},
+            start=lambda name: self.start(name, replica_with_faults, []))
+
+    def others_committed(self, name: str, steps: int) -> Callable[[], bool]:
+        """A function that says, once called, whether the replicas other than name have
+        committed steps steps since its first call."""
+        since = None
+
+        def due() -> bool:
+            nonlocal since
+            since = since or time.time()
+            done = {e["step"] for e in self.events() if e["name"] != name and
+                    e.get("decision") == "commit" and e["time"] > since}
+            return len(done) >= steps
+        return due
 
     def outputs(self) -> str:
         """What every replica printed, and the lighthouse's events."""
@@ -233,3 +301,66 @@ def one_process_run(flags: Sequence[str]) -> tuple[list[float], dict[str, torch.
             group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup) if args.warmup else args.lr
         opt.step()
     return losses, model.state_dict()
+
+
+def audit(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a run's events say: the steps committed, in how many quorums each (more than one
+    only if it was redone), the samples each committing attempt trained, whether every member
+    of an attempt acted on the same decision, whether each recovered state is its source's,
+    and how many distinct final states the replicas ended with."""
+    decisions, samples = defaultdict(set), defaultdict(list)
+    for e in events:
+        if e["event"] == "decision":
+            decisions[e["qid"], e["step"]].add(e["decision"])
+        elif e["event"] == "attempt":
+            samples[e["qid"], e["step"]] += e["samples"]
+    committed = defaultdict(list)
+    for (qid, step), decided in decisions.items():
+        if "commit" in decided:
+            committed[step].append(qid)
+    served = {(e["qid"], e["to"]): e["digest"] for e in events if e["event"] == "serve"}
+    heals = [e for e in events if e["event"] == "heal"]
+    return {"steps committed": len(committed),
+            "quorums per step": sorted({len(q) for q in committed.values()}),
+            "samples per step": sorted({len(samples[q, s]) for s, qs in committed.items()
+                                        for q in qs}),
+            "distinct samples per step": sorted({len(set(samples[q, s]))
+                                                 for s, qs in committed.items() for q in qs}),
+            "one decision per attempt": all(len(d) == 1 for d in decisions.values()),
+            "recoveries": len(heals),
+            "recovered as the source": all(served.get((e["qid"], e["replica"])) == e["digest"]
+                                           for e in heals),
+            "final states": len({e["digest"] for e in events if e["event"] == "end"})}
+
+
+def replay(flags: Sequence[str], members: dict[int, int]) -> dict[str, torch.Tensor]:
+    """train_ft's run (its flags) replayed in this process on one thread, as the replicas
+    train: step s cut among members[s] members (train_ft.members_mean_gradient), the sums
+    added in order. A run's final weights equal it bitwise when its steps were committed with
+    those memberships; one uninterrupted process differs by rounding only."""
+    args = train_ft.parse_args(["--lighthouse", "unused:0", *flags])
+    images, labels = fashion_mnist("train", args.train_size,
+                                   environment()["DPCOURSE_DATA"]).tensors
+    dtype, threads = getattr(torch, args.dtype), torch.get_num_threads()
+    model = lenet_model(args.seed).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    params = list(model.parameters())
+    torch.set_num_threads(1)  # the replicas': kernels add in the same order
+    try:
+        for step in range(args.steps):
+            mean = train_ft.members_mean_gradient(model, images.to(dtype), labels,
+                                                  args.global_batch_size, members[step], step,
+                                                  args.seed)
+            for p, g in zip(params, mean.split([p.numel() for p in params])):
+                p.grad = g.view_as(p)
+            for group in opt.param_groups:
+                group["lr"] = train_ft.learning_rate(args, step)
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.state_dict()
+
+
+def memberships(events: list[dict[str, Any]]) -> dict[int, int]:
+    """The number of members that committed each step."""
+    return {e["step"]: e["size"] for e in events if e.get("decision") == "commit"}

@@ -29,7 +29,7 @@ import traceback
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,8 @@ from ..elastic import rank_indices
 from ..launch import exit_without_shutdown
 from ..lenet import lenet_model
 from ..lighthouse import Rules
-from .ft_runs import EXACT, Replicas, flag, one_process_run, run_replica
+from .ft_runs import (EXACT, Replicas, flag, memberships, one_process_run, replay,
+                      run_replica)
 
 
 def available() -> tuple[bool, str]:
@@ -59,6 +60,7 @@ class TorchftLighthouse:
 
     def __init__(self, heartbeat_timeout: float = 1.0, join_timeout: float = 0.5,
                  min_replicas: int = 1) -> None:
+        os.environ.setdefault("RUST_LOG", "warn")  # read once, when torchft is imported
         from torchft._torchft import LighthouseServer
         self.server = LighthouseServer(
             bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=int(join_timeout * 1e3),
@@ -74,7 +76,7 @@ def torchft_replica(argv: list[str], environ: dict[str, str], out: str, together
     """A forked torchft replica (replica group `index` of `groups`), train_ft's flags in argv
     (--lighthouse: torchft's), its events logged as train_ft's; an exit code at the end."""
     os.environ.clear()
-    os.environ.update(environ)
+    os.environ.update(environ, RUST_LOG="warn")  # torchft logs each quorum at "info"
     torch.set_num_threads(1)
     tqdm.set_lock(threading.RLock())
     with open(out, "ab") as f:
@@ -151,68 +153,100 @@ def samples_skipped(events: list[dict[str, Any]], global_batch: int) -> int:
     return len(batches) * global_batch - len(used)
 
 
+def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
+                kill: tuple[str, int] | None = None, stop: tuple[str, int, float] | None = None,
+                command: bool = False) -> dict[str, Any]:
+    """Replicas names (ours, or torchft's: replicas then has its lighthouse) train together.
+    Once kill's replica starts its step, it is SIGKILLed, and started again (forked, or as a
+    command: imports included) once another has committed without it; once stop's replica
+    starts its step, it is stopped (SIGSTOP) for its pause in seconds. Returns the seconds
+    from the kill to the next commit and from the restart to that replica's first commit,
+    the samples no commit used, the exit codes, every event, and the final weights."""
+    def target(name: str) -> tuple:
+        return (torchft_replica, len(names), names.index(name)) if torchft else (run_replica,)
+    replicas.start_together(names, target(names[0])[0],
+                            {name: target(name)[1:] for name in names})
+    figures: dict[str, Any] = {}
+    if kill:
+        name, step = kill
+        wait_for(lambda: first(replicas, {name}, "attempt", step), 120, f"{name}'s step {step}")
+        replicas.signal(name, signal.SIGKILL)
+        killed = replicas.signals[-1][0]
+        others = set(names) - {name}
+        survived = wait_for(lambda: first(replicas, others, "commit", after=killed), 120,
+                            "a commit without it")
+        if command:
+            replicas.start(name, command=[sys.executable, "-m", __name__, str(len(names)),
+                                          str(names.index(name))] if torchft
+                           else [sys.executable, "-m", "dpcourse.train_ft"])
+        else:
+            replicas.start(name, *target(name))
+        restarted = replicas.signals[-1][0]
+        joined = wait_for(lambda: first(replicas, {name}, "commit", after=restarted), 120,
+                          f"{name}'s first commit")
+        figures.update(kill_to_next_commit_s=survived["time"] - killed,
+                       start_to_first_commit_s=joined["time"] - restarted)
+    if stop:
+        name, step, pause = stop
+        wait_for(lambda: first(replicas, {name}, "attempt", step), 120, f"{name}'s step {step}")
+        replicas.signal(name, signal.SIGSTOP)
+        time.sleep(pause)
+        replicas.signal(name, signal.SIGCONT)
+    codes = replicas.supervise(300)
+    events = replicas.events()
+    assert set(codes.values()) == {0}, replicas.outputs()
+    checkpoint = flag(replicas.flags, "--checkpoint", "")
+    final = torch.load(replicas.folder / "r0.jsonl.pt" if torchft else checkpoint,
+                       weights_only=True)
+    global_batch = int(flag(replicas.flags, "--global-batch-size", "64"))
+    return {**figures, "samples_skipped": samples_skipped(events, global_batch),
+            "codes": codes, "events": events, "final": final if torchft else final["model"]}
+
+
 def kill_and_restart(folder: Path, flags: list[str], torchft: bool, kill_at: int,
                      rules: Rules = Rules(), command: bool = False) -> dict[str, Any]:
-    """Two replicas (ours, or torchft's) train with flags; once r1 starts step kill_at it is
-    SIGKILLed, and once r0 has committed a step alone r1 is started again (forked, or as a
-    command: imports included). Seconds from the kill to r0's next commit and from the
-    restart to r1's first commit, the samples skipped, the events, and r0's final weights."""
+    """failure_run of two replicas, r1 killed at step kill_at and started again, under its
+    own lighthouse (ours, or torchft's with the same rules)."""
     lighthouse = TorchftLighthouse(rules.heartbeat_timeout, rules.join_timeout) \
         if torchft else None
-    target = (torchft_replica, 2) if torchft else (run_replica,)
     try:
         with Replicas(folder, flags, rules, address=lighthouse and lighthouse.address) as r:
-            r.start_together(["r0", "r1"], target[0],
-                             {f"r{i}": target[1:] + ((i,) if torchft else ()) for i in (0, 1)})
-            started = wait_for(lambda: first(r, "r1", "attempt", kill_at), 120, "r1's step")
-            r.signal("r1", signal.SIGKILL)
-            killed = r.signals[-1][0]
-            survived = wait_for(lambda: first(r, "r0", "commit", after=killed), 120, "r0")
-            if command:
-                r.start("r1", command=[sys.executable, "-m", __name__, "2", "1"] if torchft
-                        else [sys.executable, "-m", "dpcourse.train_ft"])
-            else:
-                r.start("r1", target[0], *target[1:], *((1,) if torchft else ()))
-            restarted = r.signals[-1][0]
-            joined = wait_for(lambda: first(r, "r1", "commit", after=restarted), 120, "r1")
-            codes = r.supervise(300)
-            events = r.events()
+            return failure_run(r, ["r0", "r1"], torchft, kill=("r1", kill_at),
+                               command=command)
     finally:
         if lighthouse:
             lighthouse.close()
-    assert codes == {"r0": 0, "r1": 0}, r.outputs()
-    final = torch.load(folder / ("r0.jsonl.pt" if torchft else "ckpt.pt"), weights_only=True)
-    return {"kill_to_next_commit_s": survived["time"] - killed,
-            "start_to_first_commit_s": joined["time"] - restarted,
-            "samples_skipped": samples_skipped(events, int(flag(flags, "--global-batch-size",
-                                                                "64"))),
-            "killed_at": started["step"], "events": events,
-            "final": final if torchft else final["model"]}
 
 
 RULES = Rules(min_replicas=1, join_timeout=0.5, heartbeat_timeout=1.0)  # both lighthouses'
-FAILURE_FLAGS = ("--steps", "60", "--global-batch-size", "32", "--train-size", "1024",
-                 "--timeout", "5", "--checkpoint-every", "10", *EXACT)
+FAILURE_FLAGS = ("--global-batch-size", "32", "--train-size", "1024", "--timeout", "5",
+                 "--checkpoint-every", "10", *EXACT)
 KILL_AT = 20
+STEPS = {False: 60, True: 300}  # forked restarts, or commands: r0 must outlast their imports
 STEADY_FLAGS = ("--steps", "100", "--global-batch-size", "64", "--train-size", "6400",
                 "--timeout", "5")  # LeNet in float32, as chapter 07's ScratchDDP step
 WARMUP = 30  # steady steps: from here on
 
 
 def failure_figures(folder: Path, torchft: bool, repeats: int, command: bool) -> dict:
-    """Medians over repeats kill_and_restart runs (FAILURE_FLAGS, r1 killed at step KILL_AT)
-    of the seconds to the survivor's next commit and to the restarted replica's first, and
-    the samples skipped; the parameter gap to one uninterrupted process, of the first run."""
-    runs = []
+    """Medians over repeats kill_and_restart runs (FAILURE_FLAGS, STEPS[command] steps, r1
+    killed at step KILL_AT) of the seconds to the survivor's next commit and to the restarted
+    replica's first, and the samples skipped; the parameter gap to one uninterrupted
+    process, of the first run."""
+    runs, steps = [], ["--steps", str(STEPS[command])]
     for i in range(repeats):
         run = folder / f"{'torchft' if torchft else 'ours'}{i}"
         run.mkdir()
-        flags = [*FAILURE_FLAGS, "--checkpoint", str(run / "ckpt.pt")]
+        flags = [*FAILURE_FLAGS, *steps, "--checkpoint", str(run / "ckpt.pt")]
         runs.append(kill_and_restart(run, flags, torchft, KILL_AT, RULES, command))
-    _, reference = one_process_run(FAILURE_FLAGS)
+    _, reference = one_process_run([*FAILURE_FLAGS, *steps])
     gap = max((runs[0]["final"][k] - reference[k]).abs().max().item() for k in reference)
     figures = {key: statistics.median(r[key] for r in runs) for key in
                ("kill_to_next_commit_s", "start_to_first_commit_s", "samples_skipped")}
+    if not torchft:  # the gap is rounding: the run is one process replaying its memberships
+        replayed = replay([*FAILURE_FLAGS, *steps], memberships(runs[0]["events"]))
+        figures["replay_gap"] = max((runs[0]["final"][k] - replayed[k]).abs().max().item()
+                                    for k in replayed)
     return {**figures, "gap": gap, "runs": repeats}
 
 
@@ -239,12 +273,12 @@ def steady_step_seconds(folder: Path, torchft: bool) -> float:
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
-def first(replicas: Replicas, name: str, what: str, step: int = 0,
+def first(replicas: Replicas, names: set[str], what: str, step: int = 0,
           after: float = 0.0) -> dict | None:
-    """name's first event `what` ("attempt", or "commit": a decision) at step or later,
-    logged after the time `after`."""
+    """The first event `what` ("attempt", or "commit": a decision) of one of names at step or
+    later, logged after the time `after`."""
     for e in replicas.events():
-        if e["name"] == name and e["time"] > after and e.get("step", 0) >= step and (
+        if e["name"] in names and e["time"] > after and e.get("step", 0) >= step and (
                 e["event"] == what or e.get("decision") == what):
             return e
     return None

@@ -1,0 +1,311 @@
+"""Checkers for chapter 13's parts and exercises (training that never stops: the quorum rule,
+the vote, the global batch under a changing membership, live recovery)."""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import defaultdict
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..data import fashion_mnist
+from ..elastic import rank_indices
+from ..lenet import lenet_model
+from ..lighthouse import Rules
+from . import answered, is_number, one_line_failure
+
+# --- part 1: the quorum rule ---
+
+FAST, WAIT = Rules(min_replicas=3, join_timeout=0.5, heartbeat_timeout=1.0), Rules()
+# (what the case shows, now, last beats, requests, previous members, rules, the quorum,
+#  what a wrong answer has missed)
+QUORUM_CASES = [
+    ("every healthy replica asked", 1.0, {"a": 0.9, "b": 0.9}, {"b": 0.95, "a": 0.96}, None,
+     WAIT, ["a", "b"], "the members are the healthy replicas that asked, sorted by id (every "
+     "replica must see them in one order)"),
+    ("every previous member asked again", 0.6, {r: 0.5 for r in "abcd"}, {"a": 0.55}, ["a"],
+     FAST, ["a"], "a fast quorum: when every member of the last quorum asked again, they "
+     "form the next one at once, skipping min_replicas, the majority and the join wait"),
+    ("the previous members, and a newcomer", 0.6, {r: 0.5 for r in "abc"},
+     {"a": 0.55, "c": 0.56}, ["a"], FAST, ["a", "c"], "a fast quorum takes every healthy "
+     "replica that asked, not only the previous members"),
+    ("a replica silent for the heartbeat timeout", 2.0, {"a": 1.9, "b": 0.5},
+     {"a": 1.95, "b": 0.4}, ["a", "b"], WAIT, ["a"], "a replica whose last beat is "
+     "heartbeat_timeout or more ago is dead: it neither counts as healthy nor joins, even if "
+     "it asked before it died"),
+    ("fewer than min_replicas", 1.0, {"a": 0.9}, {"a": 0.9}, None,
+     Rules(min_replicas=2, join_timeout=0.0), None, "without a fast quorum, at least "
+     "min_replicas must have asked"),
+    ("2 of 4 healthy replicas asked", 5.0, {r: 4.9 for r in "abcd"}, {"a": 0.0, "b": 0.0},
+     None, Rules(join_timeout=0.0, heartbeat_timeout=10.0), None, "more than half of the "
+     "healthy replicas must ask (len(asking) > len(healthy) // 2): the other 2 could form a "
+     "quorum of their own"),
+    ("3 of 4 asked, within the join timeout", 0.3, {r: 0.25 for r in "abcd"},
+     {"a": 0.0, "b": 0.0, "c": 0.1}, None, WAIT, None, "while a healthy replica has not "
+     "asked, wait up to join_timeout from the first request"),
+    ("3 of 4 asked, the join timeout over", 0.5, {r: 0.45 for r in "abcd"},
+     {"a": 0.0, "b": 0.0, "c": 0.1}, None, WAIT, ["a", "b", "c"], "after join_timeout since "
+     "the first request, the replicas that asked form the quorum"),
+]
+
+
+def check_quorum_members(quorum_members: Callable[..., tuple[list[str] | None, str]]) -> None:
+    """Part 1: quorum_members(now, last_beat, asked, previous, rules) applies torchft's rules
+    in order, on scripted heartbeats and requests."""
+    one_line_failure("quorum_members", lambda: quorum_members(*QUORUM_CASES[0][1:6]))
+    for what, now, beats, asked, previous, rules, want, hint in QUORUM_CASES:
+        got = one_line_failure(what, lambda: quorum_members(
+            now, dict(beats), dict(asked), previous and list(previous), rules))
+        if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], str)):
+            raise AssertionError(f"return (members or None, why) with why a string; got {got!r}")
+        members = list(got[0]) if got[0] is not None else None
+        if members != want:
+            raise AssertionError(f"{what} (beats {beats}, requests {asked}, previous "
+                                 f"{previous}, {rules}): got {members}, expected {want}: {hint}")
+    print(f"correct: {len(QUORUM_CASES)} scripted cases, the rules in torchft's order")
+
+
+# --- part 2: the vote ---
+
+@contextmanager
+def _quiet_c10d() -> Iterator[None]:
+    """c10d's own warnings (a store's wait that timed out, on purpose) out of the notebook:
+    file descriptor 2 points to /dev/null meanwhile."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _votes(vote: Callable[..., bool], ready: list[bool], wait: list[float],
+           late: int | None = None) -> list[Any]:
+    """Each member's vote (quorum 1, step 0) on a fresh store, one thread each; a `late`
+    member votes only after the others have decided."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    clients = [dist.TCPStore("127.0.0.1", master.port, is_master=False,
+                             timeout=timedelta(seconds=20)) for _ in ready]
+    results: list[Any] = [None] * len(ready)
+    decided = threading.Event()
+
+    def member(m: int) -> None:
+        if m == late:
+            decided.wait(20)
+        try:
+            results[m] = vote(clients[m], 1, 0, len(ready), ready[m], wait[m])
+        except Exception as error:  # noqa: BLE001 - returned to the checker
+            results[m] = error
+        if m != late and sum(r is not None for r in results) == len(ready) - 1:
+            decided.set()
+    threads = [threading.Thread(target=member, args=(m,), daemon=True) for m in range(len(ready))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+VOTE_CASES = [  # (what, ready, wait, late member, the decision, what a wrong answer missed)
+    ("all 3 members ready", [True] * 3, [5.0] * 3, None, True, "the member whose vote "
+     "brings the count to size sets the decision \"commit\" (compare_set), and every member "
+     "returns the decision it reads"),
+    ("member 1 not ready (its allreduce failed)", [True, False, True], [5.0] * 3, None, False,
+     "a member that is not ready sets the decision \"abort\" at once, and nobody commits"),
+    ("member 2 votes after the others gave up waiting", [True] * 3, [0.3, 0.3, 5.0], 2, False,
+     "act on the decision, never on your own count: the late vote completes the count, but "
+     "the others already decided \"abort\" when their wait timed out (compare_set keeps the "
+     "first decision)"),
+]
+
+
+def check_vote(vote: Callable[..., bool]) -> None:
+    """Part 2: vote(store, quorum_id, step, size, ready, timeout) decides once for all."""
+    alone = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    one_line_failure("vote (a quorum of one)", lambda: vote(alone, 1, 0, 1, True, 1.0))
+    for what, ready, wait, late, want, hint in VOTE_CASES:
+        with _quiet_c10d():
+            got = _votes(vote, ready, wait, late)
+        for result in got:
+            if isinstance(result, (NotImplementedError, AssertionError)):
+                raise result
+            if isinstance(result, Exception) or result is None:
+                raise AssertionError(f"{what}: a member's vote failed or did not return "
+                                     f"({result!r}); wait for the decision with the timeout")
+        if got != [want] * len(ready):
+            raise AssertionError(f"{what}: the members returned {got}, expected all {want}: "
+                                 f"{hint}")
+    print("correct: one decision per (quorum, step); a member not ready or a late vote "
+          "aborts the step on every member")
+
+
+# --- part 3: the global batch under a changing membership ---
+
+def _one_process_mean_gradient(model: torch.nn.Module, images: torch.Tensor,
+                               labels: torch.Tensor, global_batch: int, step: int,
+                               seed: int) -> torch.Tensor:
+    """An independent reference: the global batch's mean loss, one backward."""
+    batch = rank_indices(len(images), global_batch, 1, 0, step, seed)
+    loss = F.cross_entropy(model(images[batch]), labels[batch])
+    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()))])
+
+
+def _members_means(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                   global_batch: int, members: int, step: int, seed: int) -> torch.Tensor:
+    """The slip: each member's mean gradient, averaged over the members (equal weights)."""
+    means = [_one_process_mean_gradient(model, images[s], labels[s], len(s), 0, 0)
+             for s in (rank_indices(len(images), global_batch, members, i, step, seed)
+                       for i in range(members))]
+    return sum(means) / members
+
+
+def check_members_mean_gradient(members_mean_gradient: Callable[..., torch.Tensor]) -> None:
+    """Part 3: members_mean_gradient(model, images, labels, G, q, step, seed) is the global
+    batch's mean gradient for every q from 1 to 7, in float64 (rounding only)."""
+    images, labels = fashion_mnist("train", 120, "synthetic").tensors
+    images, model = images.double(), lenet_model(0).double()
+    first = one_line_failure("members_mean_gradient", lambda: members_mean_gradient(
+        model, images, labels, 30, 4, 5, 1))
+    for members in range(1, 8):
+        want = _one_process_mean_gradient(model, images, labels, 30, 5, 1)
+        got = one_line_failure(f"{members} members", lambda: members_mean_gradient(
+            model, images, labels, 30, members, 5, 1))
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            raise AssertionError(f"return one flat tensor of {want.numel()} gradients, got "
+                                 f"{getattr(got, 'shape', type(got))}")
+        gap = (got - want).abs().max().item()
+        if gap > 1e-14:
+            raise AssertionError(f"{members} members of G=30 (step 5): off by {gap:.1e}: "
+                                 + _gradient_hint(got, want, members, 30, model, images,
+                                                  labels))
+    print(f"correct: the same mean gradient for 1 to 7 members of G=30, to 1e-14 "
+          f"(4 members: |g| = {first.norm().item():.6f})")
+
+
+def _gradient_hint(got: torch.Tensor, want: torch.Tensor, members: int, global_batch: int,
+                   model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> str:
+    if torch.allclose(got * members / global_batch, want, rtol=1e-10, atol=1e-14):
+        return "divide the sum by G, the global batch size, not by the number of members q"
+    means = _members_means(model, images, labels, global_batch, members, 5, 1)
+    if torch.allclose(got, means, rtol=1e-10, atol=1e-14):
+        return (f"the mean of the members' means weighs shares of different sizes equally "
+                f"({global_batch} samples do not split evenly among {members}): add the "
+                "members' sums, then divide by G")
+    return ("member i sums the per-sample gradients of its cut (rank_indices(len(images), G, "
+            "q, i, step, seed), gradient_sum); the sums are added, then divided by G")
+
+
+# --- part 4: live recovery ---
+
+PLAN_CASES = [  # (steps, qids, the plan, what a wrong answer missed)
+    ([5, 5, 5], [2, 2, 2], {}, "members at the quorum's version copy nothing"),
+    ([5, 0, 5], [2, 0, 2], {1: 0}, "a member behind copies from an up-to-date member (the "
+     "largest version), never from one behind"),
+    ([0, 5, 0, 0], [0, 2, 0, 0], {0: 1, 2: 1, 3: 1}, "every member behind copies, here from "
+     "the only up-to-date member"),
+    ([5, 0, 5, 3], [2, 0, 2, 1], {1: 0, 3: 2}, "several members behind spread over the "
+     "up-to-date ones in turn: the j-th member behind copies from the (j mod n)-th"),
+    ([5, 5], [2, 3], {0: 1}, "compare whole versions (step, then quorum id): the same step "
+     "committed in another quorum is another history"),
+]
+
+
+def check_recovery_plan(recovery_plan: Callable[[list[int], list[int]], dict[int, int]]) -> None:
+    """Part 4: recovery_plan(steps, qids) maps each member behind to its source."""
+    one_line_failure("recovery_plan", lambda: recovery_plan([5, 0], [2, 0]))
+    for steps, qids, want, hint in PLAN_CASES:
+        got = one_line_failure(f"recovery_plan({steps}, {qids})",
+                               lambda: recovery_plan(list(steps), list(qids)))
+        if dict(got) != want:
+            raise AssertionError(f"steps {steps}, quorum ids {qids}: got {dict(got)}, expected "
+                                 f"{want}: {hint}")
+    print("correct: the members behind copy from the up-to-date ones, spread in turn")
+
+
+# --- exercises ---
+
+FRACTION_CASES = [(1.0, 60.0), (11.7, 60.0), (0.5, 3_600.0), (30.0, 60.0)]  # (t, M) seconds
+
+
+def simulated_fraction(step_s: float, mtbf_s: float, failures: int = 100_000,
+                       seed: int = 0) -> float:
+    """The fraction of attempts that commit when failures strike at random (exponential gaps of
+    mean mtbf_s of training time), each aborting the attempt in flight."""
+    gaps = np.random.default_rng(seed).exponential(mtbf_s, failures)
+    committed = np.floor_divide(gaps, step_s).sum()
+    return float(committed / (committed + failures))
+
+
+def check_committed_fraction(committed_fraction: Callable[[float, float], float] | None) -> None:
+    """Exercise 1: the fraction of step attempts that commit, exp(-t / M)."""
+    if not answered(committed_fraction):
+        return
+    for step_s, mtbf_s in FRACTION_CASES:
+        got, want = committed_fraction(step_s, mtbf_s), math.exp(-step_s / mtbf_s)
+        if not is_number(got) or not math.isclose(got, want, rel_tol=1e-9):
+            print(f"not quite: t = {step_s:g} s, M = {mtbf_s:g} s: {got!r}, a simulation of "
+                  f"100,000 failures gives {simulated_fraction(step_s, mtbf_s):.4f}: an attempt "
+                  "commits if no failure strikes during its t seconds; with failures at "
+                  "random, M apart on average, that has probability exp(-t / M) (1 - t / M is "
+                  "its first order only)")
+            return
+    print(f"correct: t = 1 s, M = 60 s: {math.exp(-1 / 60):.4f} of the attempts commit "
+          f"(simulated: {simulated_fraction(1.0, 60.0):.4f})")
+
+
+def shard(global_batch: int, groups: int, group: int) -> int:
+    """The samples group takes of a global batch among groups (floor(iG/n) up to
+    floor((i+1)G/n))."""
+    return (group + 1) * global_batch // groups - group * global_batch // groups
+
+
+STEP_CASES = [(32, 3, [0, 1, 2]), (32, 3, [0, 2]), (32, 3, [1, 2]), (32, 3, [1]),
+              (64, 2, [1]), (30, 7, [0, 3, 6])]  # (G, groups, alive)
+
+
+def check_samples_in_step(samples_in_step: Callable[[int, int, list[int]], int] | None,
+                          events: list[dict] | None = None, names: list[str] | None = None,
+                          global_batch: int = 32) -> None:
+    """Exercise 2: the samples a torchft step trains with some replica groups gone; with a
+    torchft run's events (and its replicas' names), against every step it committed."""
+    if not answered(samples_in_step):
+        return
+    hint = ("group i keeps its shard, positions floor(iG/n) up to floor((i+1)G/n) of each "
+            "global batch; the others' shards are skipped")
+    for g, n, alive in STEP_CASES:
+        want, got = sum(shard(g, n, i) for i in alive), samples_in_step(g, n, list(alive))
+        if got != want:
+            print(f"not quite: G={g}, {n} groups, groups {alive} alive: {got!r}, want {want}: "
+                  f"{hint}")
+            return
+    steps = _committed_steps(events or [], names or [])
+    for step, (alive, trained) in steps.items():
+        got = samples_in_step(global_batch, len(names), alive)
+        if got != trained:
+            print(f"not quite: step {step} of the run, groups {alive} alive, trained {trained} "
+                  f"samples, you say {got!r}: {hint}")
+            return
+    run = f" and every step torchft committed in the run ({len(steps)})" if steps else ""
+    print(f"correct: {len(STEP_CASES)} cases{run}; G=32 on 3 groups: 32 samples a step, "
+          f"{samples_in_step(32, 3, [0, 2])} without group 1")
+
+
+def _committed_steps(events: list[dict], names: list[str]) -> dict[int, tuple[list[int], int]]:
+    """Per step committed in a torchft run: the groups that took part, and the samples they
+    trained."""
+    attempts = {(e["replica"], e["batch"]): e for e in events if e["event"] == "attempt"}
+    steps = defaultdict(list)
+    for e in events:
+        if e.get("decision") == "commit":
+            steps[e["step"]].append(attempts[e["replica"], e["batch"]])
+    return {step: (sorted(names.index(a["name"]) for a in tried),
+                   sum(len(a["samples"]) for a in tried)) for step, tried in steps.items()}
