@@ -61,6 +61,13 @@ class Net(nn.Module):
             h = h + torch.tanh(self.block("sometimes", h))
         return self.block("head", h)
 
+    def trains_before_checkpoint(self) -> bool:
+        """Whether a block before the checkpointed one trains, so that the checkpoint's input
+        requires grad (a reentrant checkpoint of an input that does not gives no gradients)."""
+        before = {"body": [], "shared": ["body"], "sometimes": ["body", "shared"],
+                  "head": ["body", "shared"]}[self.checkpointed]
+        return any(p.requires_grad for name in before for p in getattr(self, name).parameters())
+
     def block(self, name: str, h: torch.Tensor) -> torch.Tensor:
         """The child name on h; under activation checkpointing if it is the drawn one."""
         if name != self.checkpointed or self.checkpoint_mode is None:
@@ -145,7 +152,8 @@ class ScratchDDPSide(Side):
 
 class TorchDDPSide(ScratchDDPSide):
     def wrap(self, net: Net) -> nn.Module:
-        if self.case["unused"] and net.checkpoint_mode == "reentrant":
+        if (self.case["unused"] and net.checkpoint_mode == "reentrant"
+                and net.trains_before_checkpoint()):
             # find_unused_parameters walks the forward's graph, where a reentrant checkpoint
             # leaves none of its parameters (its forward ran without grad): they would be
             # marked ready twice, and torch refuses. The same gradients, recomputed otherwise:
@@ -212,7 +220,8 @@ class FullyShardSide(ScratchFSDPSide):
 
     def wrap(self, net: Net) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        if net.checkpoint_mode == "reentrant" and net.checkpointed == "shared" and net.twice:
+        if (net.checkpoint_mode == "reentrant" and net.checkpointed == "shared" and net.twice
+                and net.trains_before_checkpoint()):
             # fully_shard leaves the gradient of a module that a reentrant checkpoint runs
             # twice a plain tensor, not its sharded DTensor (torch 2.14). The same gradients,
             # recomputed otherwise:
