@@ -152,11 +152,14 @@ class ScratchDDPSide(Side):
 
 class TorchDDPSide(ScratchDDPSide):
     def wrap(self, net: Net) -> nn.Module:
-        if (self.case["unused"] and net.checkpoint_mode == "reentrant"
+        twice = net.checkpointed == "shared" and net.twice and self.case["pair"] == "diloco"
+        if ((self.case["unused"] or twice) and net.checkpoint_mode == "reentrant"
                 and net.trains_before_checkpoint()):
             # find_unused_parameters walks the forward's graph, where a reentrant checkpoint
-            # leaves none of its parameters (its forward ran without grad): they would be
-            # marked ready twice, and torch refuses. The same gradients, recomputed otherwise:
+            # leaves none of its parameters (its forward ran without grad), and a block it
+            # runs twice backpropagates twice: torch refuses both (marked ready twice; so
+            # does ScratchDDP the second, but DiLoCo has no buckets). The same gradients,
+            # recomputed otherwise:
             net.checkpoint_mode = "non_reentrant"
         model = DistributedDataParallel(net, find_unused_parameters=self.case["unused"])
         register_hook(model, self)

@@ -16,8 +16,9 @@ feedback), torch's DDP leaves it None; DiLoCo averages
 buffers, DDP broadcasts rank 0's; DiLoCo's sync clears the gradients, so gradients kept
 across steps are not drawn for it; torch's DDP sends rank 0's buffers in a forward without
 grad too, ScratchDDP not (buffers_comparable follows both rules, forward by forward). Where
-torch cannot follow a reentrant checkpoint (DDP with find_unused_parameters; fully_shard on
-a module the checkpoint runs twice), its side recomputes non-reentrantly: the same gradients.
+torch cannot follow a reentrant checkpoint (DDP with find_unused_parameters, or beside
+DiLoCo on a block run twice; fully_shard on a block run twice), its side recomputes
+non-reentrantly: the same gradients.
 The
 last tests interrupt train_ddp's own run at a drawn step and resume it from its checkpoint:
 it must end bitwise as the run uninterrupted (within 1e-12 in float64 where it resumes at
@@ -355,6 +356,8 @@ def test_scratch_fsdp_trains_like_torch_fully_shard(drawn):
     check(*drawn)
 
 
+@example((1, [pinned("diloco", 1, [step(1)], seed=0, bias=False, checkpoint="reentrant",
+                     checkpointed="shared", twice=True)]))  # torch's DDP refuses it
 @examples(in_ci=2)
 @given(launches("diloco"))
 def test_diloco_syncing_every_step_with_outer_lr_1_is_ddp(drawn):
