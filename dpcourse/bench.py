@@ -441,6 +441,8 @@ def bench_recovery(quick: bool, figures: dict) -> None:
 NEVER_STOPS_REPEATS = 3
 README_RECOVERY_S = 9.7  # chapter 12's figure in README (bench_recovery, README's settings)
 CHAPTER_12 = "chapter 12, README's settings, s"
+COMMAND_RUNS = ("; a replica's start to its first commit timed apart, started as a command "
+                "(imports included)")
 
 
 def bench_never_stops(quick: bool, figures: dict) -> None:
@@ -454,9 +456,8 @@ def bench_never_stops(quick: bool, figures: dict) -> None:
           f"{os.cpu_count()} cores): 2 replicas, LeNet in float64, G=32, heartbeat timeout "
           f"{torchft_runs.RULES.heartbeat_timeout:g} s, join timeout "
           f"{torchft_runs.RULES.join_timeout:g} s, --timeout 5; r1 SIGKILLed at step "
-          f"{torchft_runs.KILL_AT}, started again once r0 committed alone"
-          f"{' (forked)' if quick else ' (as a command: imports included)'}; medians of "
-          f"{repeats} run(s)")
+          f"{torchft_runs.KILL_AT} of {torchft_runs.STEPS}, started again (forked) once r0 "
+          f"committed alone{'' if quick else COMMAND_RUNS}; medians of {repeats} run(s)")
     if len(systems) == 1:
         print(f"  torchft: not measured ({'--quick' if ok else why})")
     with tempfile.TemporaryDirectory() as folder:

@@ -64,7 +64,7 @@ def test_the_benchmark_prints_the_issue_s_table_with_each_goal(monkeypatch, caps
     figures = {bench.CHAPTER_12: 9.7}
     bench.bench_never_stops(False, figures)
     out = capsys.readouterr().out
-    assert "medians of 3 run(s)" in out and "(as a command: imports included)" in out
+    assert "medians of 3 run(s)" in out and "started as a command (imports included)" in out
     assert "ours <= 1.2x torchft's (met: x1.10), >= 5x faster than chapter 12's (met: x8.8)" \
         in out
     assert "ours <= torchft's (met: x0.40)" in out and "ours 0 (met)" in out

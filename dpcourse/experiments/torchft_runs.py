@@ -28,6 +28,7 @@ import time
 import traceback
 import uuid
 from datetime import timedelta
+from math import nan
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -155,13 +156,15 @@ def samples_skipped(events: list[dict[str, Any]], global_batch: int) -> int:
 
 def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
                 kill: tuple[str, int] | None = None, stop: tuple[str, int, float] | None = None,
-                command: bool = False) -> dict[str, Any]:
+                command: bool = False, until_joined: bool = False) -> dict[str, Any]:
     """Replicas names (ours, or torchft's: replicas then has its lighthouse) train together.
     Once kill's replica starts its step, it is SIGKILLed, and started again (forked, or as a
     command: imports included) once another has committed without it; once stop's replica
     starts its step, it is stopped (SIGSTOP) for its pause in seconds. Returns the seconds
-    from the kill to the next commit and from the restart to that replica's first commit,
-    the samples no commit used, the exit codes, every event, and the final weights."""
+    from the kill to the next commit and from the restart to the first commit that replica
+    takes part in (torchft's first, healing, sends zeros); unless until_joined (then the
+    run is cut short there), the samples no commit used, the exit codes, every event, and
+    the final weights."""
     def target(name: str) -> tuple:
         return (torchft_replica, len(names), names.index(name)) if torchft else (run_replica,)
     replicas.start_together(names, target(names[0])[0],
@@ -182,10 +185,15 @@ def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
         else:
             replicas.start(name, *target(name))
         restarted = replicas.signals[-1][0]
-        joined = wait_for(lambda: first(replicas, {name}, "commit", after=restarted), 120,
-                          f"{name}'s first commit")
+        def joined() -> dict | bool | None:  # True: the run ended before it joined
+            return first(replicas, {name}, "commit", after=restarted, size=2) or all(
+                replicas.exit_code(replicas.current(n)) is not None for n in names)
+        back = wait_for(joined, 120, f"{name}'s first commit with the others")
         figures.update(kill_to_next_commit_s=survived["time"] - killed,
-                       start_to_first_commit_s=joined["time"] - restarted)
+                       start_to_first_commit_s=None if back is True else
+                       back["time"] - restarted)
+        if until_joined:
+            return figures
     if stop:
         name, step, pause = stop
         wait_for(lambda: first(replicas, {name}, "attempt", step), 120, f"{name}'s step {step}")
@@ -204,7 +212,8 @@ def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
 
 
 def kill_and_restart(folder: Path, flags: list[str], torchft: bool, kill_at: int,
-                     rules: Rules = Rules(), command: bool = False) -> dict[str, Any]:
+                     rules: Rules = Rules(), command: bool = False,
+                     until_joined: bool = False) -> dict[str, Any]:
     """failure_run of two replicas, r1 killed at step kill_at and started again, under its
     own lighthouse (ours, or torchft's with the same rules)."""
     lighthouse = TorchftLighthouse(rules.heartbeat_timeout, rules.join_timeout) \
@@ -212,7 +221,7 @@ def kill_and_restart(folder: Path, flags: list[str], torchft: bool, kill_at: int
     try:
         with Replicas(folder, flags, rules, address=lighthouse and lighthouse.address) as r:
             return failure_run(r, ["r0", "r1"], torchft, kill=("r1", kill_at),
-                               command=command)
+                               command=command, until_joined=until_joined)
     finally:
         if lighthouse:
             lighthouse.close()
@@ -222,29 +231,40 @@ RULES = Rules(min_replicas=1, join_timeout=0.5, heartbeat_timeout=1.0)  # both l
 FAILURE_FLAGS = ("--global-batch-size", "32", "--train-size", "1024", "--timeout", "5",
                  "--checkpoint-every", "10", *EXACT)
 KILL_AT = 20
-STEPS = {False: 60, True: 300}  # forked restarts, or commands: r0 must outlast their imports
+STEPS, LONG_STEPS = 150, 3000  # a whole run; one cut short once r1 has joined again
 STEADY_FLAGS = ("--steps", "100", "--global-batch-size", "64", "--train-size", "6400",
                 "--timeout", "5")  # LeNet in float32, as chapter 07's ScratchDDP step
 WARMUP = 30  # steady steps: from here on
 
 
 def failure_figures(folder: Path, torchft: bool, repeats: int, command: bool) -> dict:
-    """Medians over repeats kill_and_restart runs (FAILURE_FLAGS, STEPS[command] steps, r1
-    killed at step KILL_AT) of the seconds to the survivor's next commit and to the restarted
-    replica's first, and the samples skipped; the parameter gap to one uninterrupted
-    process, of the first run."""
-    runs, steps = [], ["--steps", str(STEPS[command])]
+    """Medians over repeats kill_and_restart runs (FAILURE_FLAGS, STEPS steps, r1 killed at
+    step KILL_AT and started again at once, forked) of the seconds to the survivor's next
+    commit and the samples skipped; of the seconds from the restart to the restarted
+    replica's first commit in these runs, or, with command, in as many runs where it starts
+    as a command (imports included; LONG_STEPS, cut short there, so that r0 is still
+    training when it comes); and the parameter gap to one uninterrupted process of the first
+    run (ours: also to one process replaying its memberships)."""
+    runs, flags = [], [*FAILURE_FLAGS, "--steps", str(STEPS)]
+    name = "torchft" if torchft else "ours"
     for i in range(repeats):
-        run = folder / f"{'torchft' if torchft else 'ours'}{i}"
+        run = folder / f"{name}{i}"
         run.mkdir()
-        flags = [*FAILURE_FLAGS, *steps, "--checkpoint", str(run / "ckpt.pt")]
-        runs.append(kill_and_restart(run, flags, torchft, KILL_AT, RULES, command))
-    _, reference = one_process_run([*FAILURE_FLAGS, *steps])
+        runs.append(kill_and_restart(run, [*flags, "--checkpoint", str(run / "ckpt.pt")],
+                                     torchft, KILL_AT, RULES))
+        if command:
+            run = folder / f"{name}-command{i}"
+            run.mkdir()
+            runs[-1]["start_to_first_commit_s"] = kill_and_restart(
+                run, [*FAILURE_FLAGS, "--steps", str(LONG_STEPS)], torchft, KILL_AT, RULES,
+                command=True, until_joined=True)["start_to_first_commit_s"]
+    _, reference = one_process_run(flags)
     gap = max((runs[0]["final"][k] - reference[k]).abs().max().item() for k in reference)
-    figures = {key: statistics.median(r[key] for r in runs) for key in
-               ("kill_to_next_commit_s", "start_to_first_commit_s", "samples_skipped")}
+    figures = {key: statistics.median([r[key] for r in runs if r[key] is not None] or [nan])
+               for key in ("kill_to_next_commit_s", "start_to_first_commit_s",
+                           "samples_skipped")}
     if not torchft:  # the gap is rounding: the run is one process replaying its memberships
-        replayed = replay([*FAILURE_FLAGS, *steps], memberships(runs[0]["events"]))
+        replayed = replay(flags, memberships(runs[0]["events"]))
         figures["replay_gap"] = max((runs[0]["final"][k] - replayed[k]).abs().max().item()
                                     for k in replayed)
     return {**figures, "gap": gap, "runs": repeats}
@@ -274,12 +294,12 @@ def steady_step_seconds(folder: Path, torchft: bool) -> float:
 
 
 def first(replicas: Replicas, names: set[str], what: str, step: int = 0,
-          after: float = 0.0) -> dict | None:
-    """The first event `what` ("attempt", or "commit": a decision) of one of names at step or
-    later, logged after the time `after`."""
+          after: float = 0.0, size: int = 1) -> dict | None:
+    """The first event `what` ("attempt", or "commit": a decision of a quorum of at least size
+    participants) of one of names at step or later, logged after the time `after`."""
     for e in replicas.events():
         if e["name"] in names and e["time"] > after and e.get("step", 0) >= step and (
-                e["event"] == what or e.get("decision") == what):
+                e["event"] == what or e.get("decision") == what and e["size"] >= size):
             return e
     return None
 
