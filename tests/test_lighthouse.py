@@ -171,3 +171,18 @@ def test_the_service_answers_over_its_store_and_a_closed_lighthouse_is_named():
     with pytest.raises(LighthouseGone, match=f"lighthouse at {lighthouse.address} is gone"):
         members[0].ask(6, 2, False, timeout=10)
     members[0].close()
+
+
+def test_a_replica_of_another_run_is_refused_naming_what_differs():
+    with Lighthouse(rules=Rules(join_timeout=0.2, heartbeat_timeout=0.5)) as lighthouse:
+        first = Membership(lighthouse.address, "r0")
+        other = Membership(lighthouse.address, "r1")
+        try:
+            first.join_run({"global_batch_size": 64, "lr": 0.1})
+            first.join_run({"global_batch_size": 64, "lr": 0.1})  # the same run: welcome
+            with pytest.raises(ValueError, match=r"there \{'global_batch_size': 64\}, here "
+                                                 r"\{'global_batch_size': 32\}"):
+                other.join_run({"global_batch_size": 32, "lr": 0.1})
+        finally:
+            first.close()
+            other.close()

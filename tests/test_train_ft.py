@@ -252,3 +252,11 @@ def test_under_torchrun_a_dead_replica_is_started_again_and_heals_from_a_live_pe
     assert len({e["pid"] for e in events if e["name"] == "r0"}) == 1  # r0 went on
     healed = [e for e in r1 if e["event"] == "heal" and e["pid"] != worker]
     assert healed and healed[0]["source"].startswith("r0-")
+    assert len({e["digest"] for e in events if e["event"] == "end"}) == 1  # both end equal
+
+
+def test_a_replica_stuck_past_its_watchdog_exits_saying_so():
+    stuck = subprocess.run([sys.executable, "-c", "import time\nfrom dpcourse.train_ft import "
+                            "Watchdog\nWatchdog(0.5)\ntime.sleep(30)"], capture_output=True,
+                           text=True, timeout=60)
+    assert stuck.returncode == 3 and "watchdog: no step attempt ended in 0.5 s" in stuck.stdout
