@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=5.0,
                    help="seconds a collective (building a group, a recovery, the allreduce, "
                         "the vote) may wait for the others (default 5)")
+    p.add_argument("--quorum-timeout", type=float, default=60.0,
+                   help="seconds to wait for a quorum (default 60; more than twice --timeout "
+                        "plus the lighthouse's heartbeat and join timeouts): a replica waits "
+                        "that long for the others, one started again included")
     p.add_argument("--max-aborts", type=int, default=3,
                    help="aborted attempts at one step before this replica gives up (default 3)")
     p.add_argument("--events", type=Path, default=None, metavar="PATH",
@@ -226,8 +230,12 @@ class Steps:
         self.log, self.at, (self.images, self.labels) = log, at, data
         self.group, self.group_id, self.aborted = None, 0, []
         rules = membership.rules  # the lighthouse's: a quorum may wait for all of these
-        self.quorum_timeout = 2 * args.timeout + rules.heartbeat_timeout + rules.join_timeout + 5
-        self.watchdog = Watchdog(self.quorum_timeout + 6 * args.timeout + 30)
+        least = 2 * args.timeout + rules.heartbeat_timeout + rules.join_timeout
+        if args.quorum_timeout <= least:
+            raise ValueError(f"--quorum-timeout {args.quorum_timeout:g} must exceed twice "
+                             f"--timeout plus the lighthouse's heartbeat and join timeouts "
+                             f"({least:g} s): a quorum may wait for all of them")
+        self.watchdog = Watchdog(args.quorum_timeout + 6 * args.timeout + 30)
 
     def run(self) -> None:
         """Step until --steps are committed (the watchdog stops with the loop)."""
@@ -244,7 +252,7 @@ class Steps:
             step = replica.step
             self.at("quorum", step)
             quorum = self.membership.ask(step, replica.qid, bool(self.aborted),
-                                         self.quorum_timeout)
+                                         args.quorum_timeout)
             if quorum.max_step < quorum.seen and self.reload(quorum):
                 continue
             summed = self.attempt(quorum)

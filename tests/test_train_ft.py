@@ -36,7 +36,7 @@ from dpcourse.elastic import rank_indices
 from dpcourse.experiments.ft_runs import (EXACT, Replicas, one_process_run, read_events,
                                           replica_with_faults)
 from dpcourse.experiments.nodes import free_port
-from dpcourse.lighthouse import Rules
+from dpcourse.lighthouse import Lighthouse, Rules
 from dpcourse.recovery import digest
 from test_differential import examples
 
@@ -253,6 +253,14 @@ def test_under_torchrun_a_dead_replica_is_started_again_and_heals_from_a_live_pe
     healed = [e for e in r1 if e["event"] == "heal" and e["pid"] != worker]
     assert healed and healed[0]["source"].startswith("r0-")
     assert len({e["digest"] for e in events if e["event"] == "end"}) == 1  # both end equal
+
+
+def test_timeouts_must_nest(tmp_path):
+    with Lighthouse(rules=RULES) as lighthouse:
+        args = train_ft.parse_args(["--lighthouse", lighthouse.address, "--timeout", "2",
+                                    "--quorum-timeout", "5", *FLAGS[:6], "--data", "synthetic"])
+        with pytest.raises(ValueError, match=r"--quorum-timeout 5 must exceed .* \(5.3 s\)"):
+            train_ft.train(args)
 
 
 def test_a_replica_stuck_past_its_watchdog_exits_saying_so():
