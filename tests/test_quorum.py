@@ -117,15 +117,27 @@ def training_state(seed: int) -> dict:
             "step": 7, "qid": 3}
 
 
+TRANSFERS = iter(range(1, 1000))  # a quorum id each: a group never meets under an old one's keys
+
+
 def transfer(store, monkeypatch, send) -> list:
     """Member 0 runs send(group), member 1 receive_state(group, 0): their results."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     clients = [store() for _ in range(2)]
-    quorum = Quorum(1, ["a", "b"], [7, 0], [3, 0], 7)
+    quorum = Quorum(next(TRANSFERS), ["a", "b"], [7, 0], [3, 0], 7)
+
+    received = threading.Event()
 
     def member(m: int):
         group = quorum_group(clients[m], quorum, m, timeout=5.0)
-        return send(group) if m == 0 else receive_state(group, 0)  # fails once group ends
+        if m == 0:
+            sent = send(group)  # if it raises, its group ends here: the receiver's recv fails
+            received.wait(10)  # else the group lives until everything sent has been read
+            return sent
+        try:
+            return receive_state(group, 0)
+        finally:
+            received.set()
     return on_members(2, member)
 
 
