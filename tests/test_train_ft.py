@@ -174,10 +174,10 @@ def wait_for(condition, timeout: float, what: str):
     return found
 
 
-@pytest.mark.parametrize("delay", [0.4, 1.5])
+@pytest.mark.parametrize("delay", [0.3, 2.5])  # --timeout 1.5: a second's margin either way
 def test_a_member_slower_than_the_timeout_stops_the_run_naming_the_step(delay, tmp_path):
     slow = [{"phase": "forward", "step": 3, "how": "delay", "seconds": delay}]
-    with Replicas(tmp_path, [*flags(tmp_path), "--timeout", "1"], RULES) as replicas:
+    with Replicas(tmp_path, [*flags(tmp_path), "--timeout", "1.5"], RULES) as replicas:
         replicas.start_together(["r0", "r1"], replica_with_faults, {"r0": ([],), "r1": (slow,)})
         codes = replicas.supervise(60)
         out = replicas.outputs()
@@ -206,7 +206,8 @@ def test_a_lost_lighthouse_ends_every_replica_naming_it_and_the_checkpoint_resum
             out = replicas.outputs()
         assert codes == {"r0": 1, "r1": 1}, out
         assert out.count(f"the lighthouse at {address} is gone") == 2, out
-        assert seconds < 2 + 1, f"the replicas took {seconds:.1f} s to end"  # --timeout 2
+        print(f"\nthe replicas ended {seconds:.2f} s after the lighthouse")
+        assert seconds < 2 + 3, f"the replicas took {seconds:.1f} s to end"  # --timeout 2
         saved = torch.load(checkpoint, weights_only=True)["step"]
         with Replicas(tmp_path, flags(tmp_path), RULES) as replicas:  # a new lighthouse
             replicas.start_together(["r0", "r1"])
