@@ -11,10 +11,13 @@ a pure function of what the lighthouse heard and when. Keys, under ``lh/``:
 
     replicas            every replica id ever registered, separated by spaces
     beat/ID             a counter the replica adds to; a change is a heartbeat
-    ask/ID              its latest request (JSON: n, step, qid, failed), "" before the first
+    ask/ID              its latest request (JSON: n, step, qid, failed; or leaving), "" at first
     answer/ID/N         the quorum answering its request n (JSON)
     wake                set after each request (and by a ticker): the lighthouse looks again
     settings            the lighthouse's rules (JSON), which replicas read to size timeouts
+    run                 what shapes the training (JSON), set by the first replica to join
+    group/QID/...       the gloo group of quorum QID (quorum.quorum_group)
+    vote/QID/STEP/...   the votes and the decision of a step (quorum.vote)
 """
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ class Steps:
                  data: tuple[torch.Tensor, torch.Tensor], log: EventLog, at: Phase) -> None:
         self.args, self.replica, self.membership = args, replica, membership
         self.log, self.at, (self.images, self.labels) = log, at, data
-        self.group, self.group_id, self.aborted = None, 0, []
+        self.group, self.group_id, self.aborted, self.samples = None, 0, [], None
         rules = membership.rules  # the lighthouse's: a quorum may wait for all of these
         least = 2 * args.timeout + rules.heartbeat_timeout + rules.join_timeout
         if args.quorum_timeout <= least:
@@ -261,7 +261,7 @@ class Steps:
                 self.membership.store, quorum.id, replica.step, quorum.size, summed is not None,
                 args.timeout))
             self.log("decision", qid=quorum.id, step=replica.step, size=quorum.size,
-                     decision="commit" if commit else "abort",
+                     samples=self.samples, decision="commit" if commit else "abort",
                      loss=summed[-1].item() / args.global_batch_size if commit else None)
             if commit:
                 replica.commit(summed[:-1], quorum.id)
@@ -277,7 +277,7 @@ class Steps:
         """This member's part of the step in quorum: the members' gradient sums (and loss sum,
         last) after the allreduce, or None if anything failed (the gloo error is logged)."""
         replica, args = self.replica, self.args
-        rank = quorum.members.index(self.membership.replica_id)
+        rank, self.samples = quorum.members.index(self.membership.replica_id), None
         try:
             if self.group_id != quorum.id:
                 self.group = None  # the old group's threads end with its last reference
@@ -287,6 +287,7 @@ class Steps:
             samples = rank_indices(len(self.images), args.global_batch_size, quorum.size, rank,
                                    replica.step, args.seed)
             self.log("attempt", qid=quorum.id, step=replica.step, samples=samples)
+            self.samples = samples  # the decision's log line names them too
             self.at("forward", replica.step)
             grads, loss = gradient_sum(replica.model, self.images[samples].to(replica.device),
                                        self.labels[samples].to(replica.device))

@@ -26,6 +26,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from hypothesis import assume, example, given, note
@@ -84,6 +85,9 @@ def run_schedule(folder: Path, schedule: dict) -> tuple[dict, list[dict], float]
         codes = replicas.run(faults, BOUND_S)
         note(replicas.outputs())
         processes = {n: [p.pid for p in replicas.procs[n]] for n in names}
+    running = [pid for pids in processes.values() for pid in pids if psutil.pid_exists(pid)
+               and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not running, f"processes {running} of the run are still running"
     return {"codes": codes, "processes": processes}, replicas.events(), \
         time.monotonic() - started
 
