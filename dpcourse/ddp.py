@@ -107,19 +107,19 @@ class ScratchDDP(nn.Module):
     holds at most bucket_cap_mb MiB; 0: one per parameter), launched in index order."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ScratchDDP needs the default process group: build it in a "
                                "function run by dpcourse.launch.launch")
         self.module, self.world = module, dist.get_world_size()
         self.broadcast_buffers = broadcast_buffers  # rank 0's, as torch (see forward)
+        self.find_unused_parameters = find_unused_parameters  # as torch's (see _finish)
         self.require_backward_grad_sync = True  # False inside no_sync()
         params = [p for p in module.parameters() if p.requires_grad]  # tied ones once
         self.buckets = [Bucket(ps) for ps in make_buckets(params, bucket_cap_mb)]
         self._where = {p: i for i, b in enumerate(self.buckets) for p in b.params}
-        self._state: Any = None  # the comm hook and its state: the plain allreduce by default
-        self._hook: Hook = allreduce_hook
+        self._state, self._hook = None, allreduce_hook  # the comm hook's: the plain allreduce
         self._hook_registered, self._syncing = False, False  # _syncing: this forward's backward
         self._buffers_behind = True  # rank 0's buffers due: first forward, or after a synced one
         self.hook_calls = 0  # buckets handed to the comm hook since construction
@@ -222,12 +222,35 @@ class ScratchDDP(nn.Module):
     def _finish(self) -> None:
         """End of backward: launch what is left (unused parameters), wait, write grads."""
         self.launched_in_backward = self._next  # the buckets _grad_ready launched
+        unused_here = self._grads_unused_here()
         while self._next < len(self.buckets):  # a parameter unused on every rank: zeros
-            self._launch(self._next)  # (torch's DDP leaves its gradient None)
+            self._launch(self._next)  # (or, with find_unused_parameters, left as it was)
         for i, bucket in enumerate(self.buckets):
             _write_average(self._hook, i, bucket, bucket.future.wait())
             bucket.future = None
+        self._leave_unused(unused_here)
         self._syncing = False
+
+    def _grads_unused_here(self) -> dict[nn.Parameter, torch.Tensor | None]:
+        """With find_unused_parameters: the gradients, as they are, of the parameters this
+        rank did not use in this backward (for _leave_unused)."""
+        if not self.find_unused_parameters:
+            return {}
+        return {p: None if p.grad is None else p.grad.clone()
+                for b in self.buckets for p in b.params if p not in self._ready}
+
+    def _leave_unused(self, unused_here: dict[nn.Parameter, torch.Tensor | None]) -> None:
+        """With find_unused_parameters, as torch's DDP: put back the gradient of each parameter
+        that no rank used (one allreduce of who used what, after every bucket's)."""
+        if not self.find_unused_parameters:
+            return
+        params = [p for b in self.buckets for p in b.params]
+        used = torch.tensor([p not in unused_here for p in params], dtype=torch.int32,
+                            device=params[0].device if params else "cpu")
+        dist.all_reduce(used)
+        for p, users in zip(params, used.tolist()):
+            if users == 0:
+                p.grad = unused_here[p]
 
 
 class _EndOfBackward(torch.autograd.Function):

@@ -138,7 +138,7 @@ class ScratchDDPSide(Side):
     accumulates_with_no_sync = True
 
     def wrap(self, net: Net) -> nn.Module:
-        model = ScratchDDP(net)
+        model = ScratchDDP(net, find_unused_parameters=self.case["unused"])  # as torch's side
         register_hook(model, self)
         return model
 

@@ -107,6 +107,19 @@ def test_a_parameter_unused_on_one_rank_only_trains_like_torch_ddp():
                                            msg=f"{name}: {key}")
 
 
+def test_a_layer_no_rank_uses_is_left_alone_with_find_unused_parameters_as_in_torch_ddp():
+    """With momentum, a gradient of zeros still moves a parameter: torch's DDP leaves the
+    gradient of a parameter no rank used as it was (None after zero_grad), and so must
+    ScratchDDP(find_unused_parameters=True); without the flag it averages zeros."""
+    for states in launch(workers.unused_with_momentum, world_size=WORLD, backend="gloo",
+                         timeout=120):
+        for key, value in states["torch"].items():
+            torch.testing.assert_close(states["scratch"][key], value, rtol=0, atol=1e-12,
+                                       msg=key)
+        moved = states["scratch without the flag"]["module.sometimes.weight"]
+        assert not torch.allclose(moved, states["torch"]["module.sometimes.weight"])
+
+
 def test_frozen_parameter_and_buffer_are_rank_0s_on_every_rank(runs):
     start = workers.tied_net(seed=0)
     for rank in range(WORLD):

@@ -235,14 +235,16 @@ def tied_net(seed: int) -> TiedNet:
 
 def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int,
                 unused_on: tuple[int, ...] | None = None,
-                between: Callable[[torch.Tensor], None] | None = None) -> dict:
-    """STEPS steps of SGD on this rank's share of each global batch; the final state.
+                between: Callable[[torch.Tensor], None] | None = None,
+                momentum: float = 0.0) -> dict:
+    """STEPS steps of SGD (with momentum) on this rank's share of each global batch; the
+    final state.
 
     With micro_batches=2 each step accumulates two micro-batches (all but the last under
     no_sync, when the model has it). In step SOMETIMES_STEP the ranks in unused_on (None:
     every rank) leave TiedNet.sometimes unused. between(x), if given, runs after each forward,
     before its backward."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     for step in range(STEPS):
         opt.zero_grad()
         for micro in range(micro_batches):
@@ -298,6 +300,21 @@ def unused_on_rank_1() -> dict[str, dict]:
     runs["torch, used everywhere"] = train_steps(wrappers["torch"](tied_net(seed=rank)), rank,
                                                  world, 1, unused_on=())
     return runs
+
+
+def unused_with_momentum() -> dict[str, dict]:
+    """TiedNet, SGD with momentum 0.9, under ScratchDDP and torch's DDP, each with
+    find_unused_parameters=True: in step SOMETIMES_STEP no rank uses TiedNet.sometimes. The
+    final states, and what ScratchDDP without the flag did to the unused layer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, wrap in {"scratch": lambda net: ScratchDDP(net, find_unused_parameters=True),
+                       "torch": lambda net: nn.parallel.DistributedDataParallel(
+                           net, find_unused_parameters=True),
+                       "scratch without the flag": ScratchDDP}.items():
+        model = wrap(tied_net(seed=rank))
+        out[name] = train_steps(model, rank, world, 1, None, momentum=0.9)
+    return out
 
 
 def ddp_runs(configs: list[dict]) -> list[dict]:
