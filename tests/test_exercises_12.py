@@ -73,13 +73,39 @@ def float32_padding(shards, numel, world):
 
 
 @pytest.mark.parametrize("wrong, reason", [
-    (without_new_padding, "elements, expected padded"),
-    (old_padding_kept, "elements, expected padded|strip"),
+    (without_new_padding, "elements?, expected padded"),
+    (old_padding_kept, "elements?, expected padded|strip"),
     (float32_padding, "shard 0 is torch.float32, the shards are torch.float64: pad with zeros "
                       "of the shards' dtype")])
 def test_wrong_reshards_are_rejected_with_the_reason(wrong, reason):
     with pytest.raises(AssertionError, match=reason):
         check_reshard(wrong)
+
+
+def unpadded_chunks(shards, numel, world):
+    return list(torch.cat(shards)[:numel].chunk(world))
+
+
+def test_a_short_shard_is_counted_in_words_that_agree():
+    with pytest.raises(AssertionError) as error:
+        check_reshard(unpadded_chunks)
+    assert str(error.value) == ("10 elements, from 2 ranks to 4: shard 3 has 1 element, expected "
+                                "padded_numel(10, 4) // 4 = 3")
+
+
+def tail_not_dropped(n, global_batch, world, rank, step, seed):
+    epoch, start = divmod(step * global_batch, n)  # runs past the end of the permutation
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    return order[start + rank * global_batch // world:
+                 start + (rank + 1) * global_batch // world].tolist()
+
+
+def test_long_index_lists_are_cut_saying_how_many_they_hold():
+    with pytest.raises(AssertionError) as error:
+        check_rank_indices(tail_not_dropped)
+    assert str(error.value) == (
+        "n=100, G=12, rank 0 of 1, step 8 (epoch 1): got [76, 26, 63, 33], expected "
+        "[30, 13, 49, 91, 37, 71, ...] (12 in all): each rank takes G / k = 12 samples")
 
 
 def equal_shares_only(n, global_batch, world, rank, step, seed):

@@ -46,11 +46,18 @@ def check_rank_indices(rank_indices: Callable[..., list[int]]) -> None:
                         whole = reference_indices(n, global_batch, 1, 0, step, seed)
                         raise AssertionError(
                             f"n={n}, G={global_batch}, rank {rank} of {world}, step {step} (epoch "
-                            f"{step // (n // global_batch)}): got {got[:6]}, expected "
-                            f"{expected[:6]}: "
+                            f"{step // (n // global_batch)}): got {_shown(got)}, expected "
+                            f"{_shown(expected)}: "
                             f"{_index_hint(got, expected, whole, global_batch, world, rank)}")
     print(f"correct: rank 1 of 3 at step 9 (n=100, G=12, seed 3) takes {first}; the same "
           "global batches for every k")
+
+
+def _shown(indices: list[int], first: int = 6) -> str:
+    """The list, or its first few and how many there are in all when it is longer."""
+    if len(indices) <= first:
+        return str(indices)
+    return f"[{', '.join(map(str, indices[:first]))}, ...] ({len(indices)} in all)"
 
 
 def _index_hint(got: list[int], expected: list[int], whole: list[int], global_batch: int,
@@ -84,7 +91,7 @@ def check_reshard(reshard: Callable[[list[torch.Tensor], int, int], list[torch.T
                                  f"rank: {after}")
         for r, (mine, right) in enumerate(zip(got, want)):
             if mine.shape != right.shape:
-                raise AssertionError(f"{where}: shard {r} has {mine.numel()} elements, expected "
+                raise AssertionError(f"{where}: shard {r} has {count(mine.numel(), 'element')}, expected "
                                      f"padded_numel({numel}, {after}) // {after} = {len(right)}")
             if mine.dtype != right.dtype:
                 raise AssertionError(f"{where}: shard {r} is {mine.dtype}, the shards are "
