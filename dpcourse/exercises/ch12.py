@@ -91,8 +91,9 @@ def check_reshard(reshard: Callable[[list[torch.Tensor], int, int], list[torch.T
                                  f"rank: {after}")
         for r, (mine, right) in enumerate(zip(got, want)):
             if mine.shape != right.shape:
-                raise AssertionError(f"{where}: shard {r} has {count(mine.numel(), 'element')}, expected "
-                                     f"padded_numel({numel}, {after}) // {after} = {len(right)}")
+                raise AssertionError(f"{where}: shard {r} has {count(mine.numel(), 'element')}, "
+                                     f"expected padded_numel({numel}, {after}) // {after} = "
+                                     f"{len(right)}")
             if mine.dtype != right.dtype:
                 raise AssertionError(f"{where}: shard {r} is {mine.dtype}, the shards are "
                                      f"{right.dtype}: pad with zeros of the shards' dtype")
