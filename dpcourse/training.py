@@ -26,8 +26,8 @@ def check_replicas(device_params: list[list[torch.Tensor]], devs: list[torch.dev
     """Raise a clear error unless there is one parameter replica per device."""
     check_devices(devs, "data-parallel training")
     if len(device_params) != len(devs):
-        raise ValueError(f"got {len(device_params)} parameter replicas for {len(devs)} devices: "
-                         "one replica per device is needed")
+        raise ValueError(f"one parameter replica per device is needed: {len(devs)} device(s), "
+                         f"{len(device_params)} replica(s)")
 
 
 def train_batch(X: torch.Tensor, y: torch.Tensor, device_params: list[list[torch.Tensor]],

@@ -114,7 +114,7 @@ def test_train_batch_returns_the_summed_loss():
 
 def test_train_batch_needs_one_set_of_parameters_per_device():
     devs = devices(2, simulate=True)
-    with pytest.raises(ValueError, match="got 1 parameter replicas for 2 devices"):
+    with pytest.raises(ValueError, match=r"one parameter replica per device is needed: 2 device\(s\), 1 replica\(s\)"):
         train_batch(torch.rand(4, 1, 28, 28), torch.zeros(4, dtype=torch.long),
                     [get_params(init_lenet_params(), devs[0])], devs, LR)
     with pytest.raises(ValueError, match="X has 4 examples but y has 3"):
@@ -125,7 +125,7 @@ def test_train_batch_needs_one_set_of_parameters_per_device():
 def test_evaluation_needs_one_replica_per_device():
     devs = devices(3, simulate=True)
     batch = [(torch.rand(6, 1, 28, 28), torch.zeros(6, dtype=torch.long))]
-    with pytest.raises(ValueError, match="got 2 parameter replicas for 3 devices"):
+    with pytest.raises(ValueError, match=r"one parameter replica per device is needed: 3 device\(s\), 2 replica\(s\)"):
         dpcourse.training.evaluate_accuracy(batch, [get_params(init_lenet_params(), d)
                                                     for d in devs[:2]], devs)
 
