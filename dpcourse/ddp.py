@@ -125,8 +125,7 @@ class ScratchDDP(nn.Module):
         self.hook_calls = 0  # buckets handed to the comm hook since construction
         self._reset()  # no bucket ready or launched yet
         broadcast_parameters(module)
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._register_hooks(params)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module; the next backward synchronises unless inside no_sync(), and its
@@ -177,6 +176,15 @@ class ScratchDDP(nn.Module):
             b.ready, b.future, b.times = 0, None, {}
         self._next, self._callback_queued, self.launched_in_backward = 0, False, 0
         self._ready: set[nn.Parameter] = set()  # the parameters marked ready so far
+
+    def _register_hooks(self, params: list[nn.Parameter]) -> None:
+        """_grad_ready on each parameter; with find_unused_parameters also a note of the
+        parameters used since the last synchronised backward (no_sync() ones too: _leave_unused)."""
+        self._used: set[nn.Parameter] = set()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+            if self.find_unused_parameters:
+                p.register_post_accumulate_grad_hook(self._used.add)
 
     # --- during backward ---
 
@@ -233,11 +241,11 @@ class ScratchDDP(nn.Module):
 
     def _grads_unused_here(self) -> dict[nn.Parameter, torch.Tensor | None]:
         """With find_unused_parameters: the gradients, as they are, of the parameters this
-        rank did not use in this backward (for _leave_unused)."""
+        rank did not use since the last synchronised backward (for _leave_unused)."""
         if not self.find_unused_parameters:
             return {}
         return {p: None if p.grad is None else p.grad.clone()
-                for b in self.buckets for p in b.params if p not in self._ready}
+                for b in self.buckets for p in b.params if p not in self._used}
 
     def _leave_unused(self, unused_here: dict[nn.Parameter, torch.Tensor | None]) -> None:
         """With find_unused_parameters, as torch's DDP: put back the gradient of each parameter
@@ -251,6 +259,7 @@ class ScratchDDP(nn.Module):
         for p, users in zip(params, used.tolist()):
             if users == 0:
                 p.grad = unused_here[p]
+        self._used.clear()
 
 
 class _EndOfBackward(torch.autograd.Function):

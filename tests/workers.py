@@ -236,13 +236,14 @@ def tied_net(seed: int) -> TiedNet:
 def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int,
                 unused_on: tuple[int, ...] | None = None,
                 between: Callable[[torch.Tensor], None] | None = None,
-                momentum: float = 0.0) -> dict:
+                momentum: float = 0.0, used_unsynced_on: tuple[int, ...] = ()) -> dict:
     """STEPS steps of SGD (with momentum) on this rank's share of each global batch; the
     final state.
 
     With micro_batches=2 each step accumulates two micro-batches (all but the last under
     no_sync, when the model has it). In step SOMETIMES_STEP the ranks in unused_on (None:
-    every rank) leave TiedNet.sometimes unused. between(x), if given, runs after each forward,
+    every rank) leave TiedNet.sometimes unused, except that the ranks in used_unsynced_on use
+    it in the micro-batches under no_sync. between(x), if given, runs after each forward,
     before its backward."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     for step in range(STEPS):
@@ -253,7 +254,8 @@ def train_steps(model: nn.Module, rank: int, world: int, micro_batches: int,
             y = torch.randn(8, 8, generator=g, dtype=torch.float64).chunk(world)[rank]
             last = micro == micro_batches - 1
             with (nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()):
-                skips = step == SOMETIMES_STEP and (unused_on is None or rank in unused_on)
+                skips = (step == SOMETIMES_STEP and (unused_on is None or rank in unused_on)
+                         and (last or rank not in used_unsynced_on))
                 out = model(x, use_sometimes=not skips)
                 if between:
                     between(x)
@@ -305,15 +307,17 @@ def unused_on_rank_1() -> dict[str, dict]:
 def unused_with_momentum() -> dict[str, dict]:
     """TiedNet, SGD with momentum 0.9, under ScratchDDP and torch's DDP, each with
     find_unused_parameters=True: in step SOMETIMES_STEP no rank uses TiedNet.sometimes. The
-    final states, and what ScratchDDP without the flag did to the unused layer."""
+    final states, and what ScratchDDP without the flag did to the unused layer; then ", 2
+    micro" runs, where rank 1 uses it under no_sync in that step (so it counts as used)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for name, wrap in {"scratch": lambda net: ScratchDDP(net, find_unused_parameters=True),
                        "torch": lambda net: nn.parallel.DistributedDataParallel(
                            net, find_unused_parameters=True),
                        "scratch without the flag": ScratchDDP}.items():
-        model = wrap(tied_net(seed=rank))
-        out[name] = train_steps(model, rank, world, 1, None, momentum=0.9)
+        out[name] = train_steps(wrap(tied_net(seed=rank)), rank, world, 1, None, momentum=0.9)
+        out[name + ", 2 micro"] = train_steps(wrap(tied_net(seed=rank)), rank, world, 2, None,
+                                              momentum=0.9, used_unsynced_on=(1,))
     return out
 
 
