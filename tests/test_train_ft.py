@@ -6,7 +6,8 @@ A schedule draws 2-4 replicas and 1-2 failures: which replica, at which step, in
 and the vote, while it serves a recovery), killed (SIGKILL; started again or not) or stopped
 and continued after a pause shorter or longer than the heartbeat timeout; two failures may
 strike at the same moment. The failures are injected inside the replica
-(ft_runs.replica_with_faults).
+(ft_runs.replica_with_faults). An explicit example adds a torn allreduce: it ends on the
+others and fails on one member alone, whose vote must still abort the step for all.
 The property, from what each replica logged before acting: no survivor's process restarts;
 every step is committed exactly once (twice only if every member of its quorum died and a
 checkpoint was used), by members whose samples are disjoint and make up global batch s, and
@@ -123,9 +124,9 @@ def assert_every_sample_kept(events: list[dict], schedule: dict) -> None:
 
 
 def failure(replica: int, step: int, phase: str, how: str, pause: float | None = None,
-            restart: bool = False) -> dict:
+            restart: bool = False, seconds: float | None = None) -> dict:
     return {"replica": replica, "step": step, "phase": phase, "how": how, "pause": pause,
-            "restart": restart}
+            "restart": restart, "seconds": seconds}
 
 
 @examples(in_ci=1)
@@ -137,6 +138,8 @@ def failure(replica: int, step: int, phase: str, how: str, pause: float | None =
     failure(1, 4, "forward", "stop", pause=2.5), failure(0, 4, "serve", "kill", restart=True)]})
 @example(schedule={"replicas": 2, "failures": [  # every member of a quorum killed
     failure(0, 9, "vote", "kill", restart=True), failure(1, 9, "vote", "kill", restart=True)]})
+@example(schedule={"replicas": 3, "failures": [  # a torn allreduce: r1's fails 1 s after the
+    failure(1, 6, "allreduce", "fail", seconds=1.0)]})  # others' ended (a partial vote commits)
 def test_replicas_keep_every_sample_and_end_as_one_process_whatever_fails(schedule):
     note(f"schedule: {schedule}")
     with tempfile.TemporaryDirectory(prefix="ft-") as folder:
@@ -266,6 +269,26 @@ def test_timeouts_must_nest(tmp_path):
                                     "--quorum-timeout", "5", *FLAGS[:6], "--data", "synthetic"])
         with pytest.raises(ValueError, match=r"--quorum-timeout 5 must exceed .* \(5.3 s\)"):
             train_ft.train(args)
+
+
+def test_a_checkpoint_is_never_written_over_a_later_step(tmp_path):
+    """Two quorums' first members may write at once (one back from a pause): the later step
+    stays; another run's arguments are refused."""
+    args = train_ft.parse_args(["--lighthouse", "unused:0", *FLAGS])
+    path = tmp_path / "ckpt.pt"
+
+    def state(step: int) -> dict:
+        return {"model": {"w": torch.full((2,), float(step))}, "optimizer": {}, "step": step,
+                "qid": step}
+    assert train_ft.write_checkpoint(path, args, state(8))
+    assert not train_ft.write_checkpoint(path, args, state(4))
+    assert not train_ft.write_checkpoint(path, args, state(8))
+    assert train_ft.read_checkpoint(path, args)["model"]["w"][0] == 8
+    assert train_ft.write_checkpoint(path, args, state(12))
+    assert train_ft.read_checkpoint(path, args)["step"] == 12
+    other = train_ft.parse_args(["--lighthouse", "unused:0", *FLAGS, "--lr", "0.1"])
+    with pytest.raises(RuntimeError, match="lr 0.05 there, 0.1 here"):
+        train_ft.read_checkpoint(path, other)
 
 
 def test_a_replica_stuck_past_its_watchdog_exits_saying_so():

@@ -85,8 +85,10 @@ def replica_with_faults(argv: list[str], environ: dict[str, str], out: str,
     """run_replica, failing on purpose at named points of a step. A fault: "phase" (one of
     train_ft's: quorum, serve, forward, allreduce, vote), "step" (the first attempt at or
     after it), "how": "kill" (SIGKILL itself), "stop" (SIGSTOP itself: Replicas.supervise
-    continues it after a pause) or "delay" ("seconds" of sleep at every attempt at exactly
-    that step: a member slower than the others)."""
+    continues it after a pause), "delay" ("seconds" of sleep at every attempt at exactly
+    that step: a member slower than the others) or "fail" (once, after "seconds" of sleep,
+    the step fails on this member alone: in "allreduce", a torn collective, finished on the
+    others; only in the phases inside an attempt: serve, forward, allreduce)."""
     pending = list(faults)
 
     def at(phase: str, step: int) -> None:
@@ -95,6 +97,10 @@ def replica_with_faults(argv: list[str], environ: dict[str, str], out: str,
                 continue
             if fault["how"] == "delay" and step == fault["step"]:
                 time.sleep(fault["seconds"])
+            elif fault["how"] == "fail" and step >= fault["step"]:
+                pending.remove(fault)
+                time.sleep(fault["seconds"])
+                raise RuntimeError(f"injected: {phase} failed on this member alone")
             elif fault["how"] != "delay" and step >= fault["step"]:
                 pending.remove(fault)
                 os.kill(os.getpid(), signal.SIGKILL if fault["how"] == "kill" else
