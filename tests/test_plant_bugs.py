@@ -1,5 +1,5 @@
 """tools/plant_bugs.py stays runnable: every bug it plants is still one line of its file (the
-bugs are run by hand, `python tools/plant_bugs.py`: about 15 minutes)."""
+bugs are run by hand, `python tools/plant_bugs.py`: about 20 minutes)."""
 import importlib.util
 import os
 import subprocess

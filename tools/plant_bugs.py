@@ -2,7 +2,7 @@
 """Plant one-line bugs in the hand-built parts, one at a time, and run that part's tests:
 every bug must make them fail. A suite is as good as the bugs it catches.
 
-    .venv/bin/python tools/plant_bugs.py            # every bug (about 15 minutes here)
+    .venv/bin/python tools/plant_bugs.py            # every bug (about 20 minutes here)
     .venv/bin/python tools/plant_bugs.py --list     # the bugs and their tests
     .venv/bin/python tools/plant_bugs.py shm zero   # the bugs whose name starts so
 
@@ -109,6 +109,47 @@ BUGS = [
         "    tmp = path.with_name(f\".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp\")",
         "    tmp = path.with_name(path.name + \".tmp\")",
         ["tests/test_restarts.py", "-k", "writers"]),
+    # chapter 13: tests/conftest.py runs test_train_ft (the property) first, whatever the order
+    Bug("ft: the members' gradient sum divided by their number q, not by G",
+        "dpcourse/train_ft.py",
+        "                replica.commit(summed[:-1], quorum.id)",
+        "                replica.commit(summed[:-1] * args.global_batch_size / quorum.size, "
+        "quorum.id)",
+        ["tests/test_train_ft.py", "-k", "replicas_keep"]),
+    Bug("ft: the written-out global batch divided by the members, not by G",
+        "dpcourse/train_ft.py",
+        "    return total / global_batch",
+        "    return total / members",
+        ["tests/test_exercises_13.py", "-k", "package_parts"]),
+    Bug("ft: a step commits once all but one member voted (a partial vote)",
+        "dpcourse/quorum.py",
+        "    if ready and store.add(f\"lh/vote/{quorum_id}/{step}/votes\", 1) == size:",
+        "    if ready and store.add(f\"lh/vote/{quorum_id}/{step}/votes\", 1) >= size - 1:",
+        ["tests/test_quorum.py", "tests/test_exercises_13.py", "tests/test_train_ft.py", "-k",
+         "vote or package_parts or replicas_keep"]),
+    Bug("ft: a member behind copies from the least up-to-date one (min, not max)",
+        "dpcourse/recovery.py",
+        "    current = [i for i, v in enumerate(versions) if v == max(versions)]",
+        "    current = [i for i, v in enumerate(versions) if v == min(versions)]",
+        ["tests/test_quorum.py", "tests/test_exercises_13.py", "tests/test_train_ft.py", "-k",
+         "behind or package_parts or replicas_keep"]),
+    Bug("ft: a checkpoint written over a later step (comparison reversed)",
+        "dpcourse/train_ft.py",
+        "    if held is not None and held[\"step\"] >= state[\"step\"]:",
+        "    if held is not None and held[\"step\"] <= state[\"step\"]:",
+        ["tests/test_train_ft.py", "-k", "never_written"]),
+    Bug("ft: a fast quorum when any previous member asks again, not every one",
+        "dpcourse/lighthouse.py",
+        "    if previous and all(r in asking for r in previous):",
+        "    if previous and any(r in asking for r in previous):",
+        ["tests/test_lighthouse.py", "tests/test_exercises_13.py", "-k",
+         "not service and not refused"]),
+    Bug("ft: the lighthouse takes half of the healthy replicas as a majority",
+        "dpcourse/lighthouse.py",
+        "    if len(asking) <= len(healthy) // 2:",
+        "    if len(asking) < len(healthy) // 2:",
+        ["tests/test_lighthouse.py", "tests/test_exercises_13.py", "-k",
+         "not service and not refused"]),
 ]
 
 
