@@ -75,3 +75,45 @@ def test_the_benchmark_prints_the_issue_s_table_with_each_goal(monkeypatch, caps
     bench.bench_never_stops(False, {})
     out = capsys.readouterr().out
     assert "torchft: not measured (not installed)" in out and "9.7 s (README)" in out
+
+
+class ScriptedReplicas:
+    """Replicas that start nothing: its events are a script, each seen once its time has
+    come (the clock moves on at each reading); signals as Replicas notes them."""
+
+    def __init__(self, script: list[dict]) -> None:
+        self.script, self.now, self.signals = script, 0.0, []
+
+    def start_together(self, names, target, extras) -> None:
+        pass
+
+    def start(self, name, *target, command=()) -> None:
+        self.signals.append((self.now, name, "started"))
+
+    def signal(self, name, sig) -> None:
+        self.signals.append((self.now, name, sig.name))
+
+    def current(self, name) -> str:
+        return name
+
+    def exit_code(self, proc) -> None:
+        return None  # every replica runs on
+
+    def events(self) -> list[dict]:
+        self.now += 0.5
+        return [e for e in self.script if e["time"] <= self.now]
+
+
+def test_the_survivors_next_commit_is_of_the_killed_step_or_later():
+    """torchft starts its next quorum without waiting: r1 may begin step 12 (and be killed)
+    before r0 has logged its commit of step 11, which is no recovery."""
+    def commit(name, step, time, size):
+        return {"name": name, "event": "decision", "decision": "commit", "step": step,
+                "time": time, "size": size}
+    replicas = ScriptedReplicas([
+        {"name": "r1", "event": "attempt", "step": 12, "time": 0.5},
+        commit("r0", 11, 1.2, 2), commit("r0", 12, 2.2, 1), commit("r1", 13, 4.2, 2)])
+    figures = torchft_runs.failure_run(replicas, ["r0", "r1"], kill=("r1", 12),
+                                       until_joined=True)
+    assert figures == {"kill_to_next_commit_s": pytest.approx(2.2 - 0.5),  # not 1.2 - 0.5
+                       "start_to_first_commit_s": pytest.approx(4.2 - 2.5)}

@@ -176,7 +176,7 @@ def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
         replicas.signal(name, signal.SIGKILL)
         killed = replicas.signals[-1][0]
         others = set(names) - {name}
-        survived = wait_for(lambda: first(replicas, others, "commit", after=killed), 120,
+        survived = wait_for(lambda: first(replicas, others, "commit", step, after=killed), 120,
                             "a commit without it")
         if command:
             replicas.start(name, command=[sys.executable, "-m", __name__, str(len(names)),
