@@ -41,7 +41,8 @@ HEADER_BYTES = 64  # int64s: [0] counter, [1] numel, [2] dtype code; then the bu
 ALIGN = 64  # regions start on cache lines
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES, 1)}
 SPIN_S = 100e-6  # a wait spins this long, yielding the core (ranks in step arrive sooner),
-MAX_NAP_S = 250e-6  # then sleeps in naps doubling up to this (about what it oversleeps by)
+FIRST_NAP_S = 20e-6  # then naps this long (plus Linux's timer slack, about 50 us), doubling
+MAX_NAP_S = 250e-6  # up to this (about what a long wait oversleeps by)
 
 
 class SharedBuffers:
@@ -119,10 +120,10 @@ class SharedBuffers:
 
     def _arrive(self) -> None:
         """Count one more step done, then wait until every rank has counted as far: spin for
-        SPIN_S, then sleep in naps twice as long each time, up to MAX_NAP_S."""
+        SPIN_S, then nap from FIRST_NAP_S, twice as long each time, up to MAX_NAP_S."""
         self._count += 1
         self._headers[self.rank][0] = self._count
-        start, nap = time.monotonic(), SPIN_S
+        start, nap = time.monotonic(), FIRST_NAP_S
         for header in self._headers:
             while header[0] < self._count:
                 waited = time.monotonic() - start
