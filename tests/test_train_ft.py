@@ -231,14 +231,17 @@ def test_a_lost_lighthouse_ends_every_replica_naming_it_and_the_checkpoint_resum
 
 def test_under_torchrun_a_dead_replica_is_started_again_and_heals_from_a_live_peer(tmp_path):
     """README's commands: the lighthouse apart, each replica under torchrun --max-restarts
-    (--min-replicas 2: the survivor waits for the replica torchrun starts again)."""
+    (--min-replicas 2: the survivor waits for the replica torchrun starts again). No durable
+    checkpoint after step 0: a restart that found one at the survivor's very step (every 4)
+    would be up to date, with nothing to heal."""
     port = free_port()
     lighthouse = subprocess.Popen([sys.executable, "-m", "dpcourse.lighthouse", "--port",
                                    str(port), "--min-replicas", "2"], stdout=subprocess.DEVNULL)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node=1", "--max-restarts=1", "-m", "dpcourse.train_ft"]
     try:
-        with Replicas(tmp_path, [*flags(tmp_path), "--timeout", "5"],
+        with Replicas(tmp_path, [*flags(tmp_path), "--timeout", "5", "--checkpoint-every",
+                                 str(STEPS + 1)],
                       address=f"127.0.0.1:{port}") as replicas:
             for name in ("r0", "r1"):
                 replicas.start(name, command=torchrun)
