@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import psutil
@@ -299,3 +300,16 @@ def test_a_replica_stuck_past_its_watchdog_exits_saying_so():
                             "Watchdog\nWatchdog(0.5)\ntime.sleep(30)"], capture_output=True,
                            text=True, timeout=60)
     assert stuck.returncode == 3 and "watchdog: no step attempt ended in 0.5 s" in stuck.stdout
+
+
+def test_closed_replicas_leave_no_semaphore_behind(tmp_path, monkeypatch):
+    """start_together's barrier holds named semaphores (/dev/shm/sem.mp-*): close() must let
+    them go, or a notebook's kernel, ended by its process group, leaves them behind."""
+    names, register = [], resource_tracker.register
+    monkeypatch.setattr(resource_tracker, "register",
+                        lambda name, kind: (names.append(name), register(name, kind)))
+    with Replicas(tmp_path, [], RULES) as replicas:
+        replicas.start_together(["r0", "r1"], target=print)  # prints its arguments, returns
+    assert names, "no semaphore was made: the test checks nothing"
+    left = [n for n in names if os.path.exists(f"/dev/shm/sem.{n.lstrip('/')}")]
+    assert not left, f"left behind: {left}"

@@ -261,6 +261,7 @@ class Replicas:
                         except ProcessLookupError:
                             pass
                 proc.wait() if isinstance(proc, subprocess.Popen) else proc.join()
+        self._barriers.clear()  # their named semaphores are unlinked as they are collected
         if self.lighthouse:
             self.lighthouse.close()
 
