@@ -27,7 +27,6 @@ from .experiments.timing import alternate, median_seconds
 from .hardware import devices
 from .lenet import init_lenet_params, lenet, loss
 from .ring import ring_allreduce
-from .shm import MAX_NAP_S, SPIN_S
 from .training import sgd, train_batch
 
 
@@ -244,10 +243,9 @@ def bench_shm_ddp(sizes: Sizes, figures: dict) -> None:
               f"{ddp['ScratchDDP, shm']:6.0f} images/s, shm/gloo "
               + (verdict(ratio, 1.0) if batch == SHM_DDP_BATCHES[0] else
                  f"x{ratio:.2f} (no goal: the step is mostly computation)") + ceiling)
-    print(f"  Beside busy processes (started and ended here) each rank gets a share of a core, "
+    print("  Beside busy processes (started and ended here) each rank gets a share of a core, "
           "and a rank that waits must\n  leave its core to those that compute: gloo's threads "
-          f"block in the kernel; shm's waits spin {SPIN_S * 1e6:.0f} us, then sleep in naps of "
-          f"up to {MAX_NAP_S * 1e6:.0f} us.")
+          "and shm's waits both sleep in the kernel until the other rank's data is there.")
 
 
 def bench_buckets(sizes: Sizes, gloo: AlphaBeta, anatomy: dict, figures: dict) -> None:

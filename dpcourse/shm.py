@@ -14,13 +14,12 @@ Each slice is summed once, in rank order, so every rank gets the same bits on ev
 The next round's copy-in writes only regions their readers are done with (the regions
 of the other ranks' slices, read before they counted), so two counts per round suffice.
 
-Ranks wait for each other on the counters (no gloo in the data path): a wait spins for 0.1 ms
-(yielding the core), then sleeps in naps that double up to a quarter of a millisecond, so a
-long wait (another rank still in its backward) leaves the core to whatever computes; a timeout
-names the rank that did not arrive. The segments are files in /dev/shm, removed as soon as every
-rank has mapped them: the mappings stay valid, and nothing is left behind even if a rank is
-killed (launch removes the file of a rank killed before that). The counters rely on x86-64
-keeping stores in program order.
+Ranks wait for each other on the counters (no gloo in the data path): a rank that must wait
+sleeps in the kernel on the other's counter (a futex), and the rank that counts wakes it, so a
+wait neither burns a core nor oversleeps; a timeout names the rank that did not arrive. The
+segments are files in /dev/shm, removed as soon as every rank has mapped them: the mappings
+stay valid, and nothing is left behind even if a rank is killed (launch removes the file of
+a rank killed before that). The counters rely on x86-64 keeping stores in program order.
 """
 import mmap
 import os
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .comm_hooks import HelperThread
+from .futex import futex_wait, futex_wake
 from .p2p import SUPPORTED_DTYPES, check_tensor, flat_view
 
 SHM_DIR = Path("/dev/shm")
@@ -40,9 +40,6 @@ PREFIX = "dpcourse-shm-"
 HEADER_BYTES = 64  # int64s: [0] counter, [1] numel, [2] dtype code; then the buffer
 ALIGN = 64  # regions start on cache lines
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES, 1)}
-SPIN_S = 100e-6  # a wait spins this long, yielding the core (ranks in step arrive sooner),
-FIRST_NAP_S = 20e-6  # then naps this long (plus Linux's timer slack, about 50 us), doubling
-MAX_NAP_S = 250e-6  # up to this (about what a long wait oversleeps by)
 
 
 class SharedBuffers:
@@ -66,6 +63,7 @@ class SharedBuffers:
         self._headers = [memoryview(m)[:HEADER_BYTES].cast("q") for m in self._maps]
         self._buffers = [torch.frombuffer(m, dtype=torch.uint8)[HEADER_BYTES:]
                          for m in self._maps]
+        self._counters = [b.data_ptr() - HEADER_BYTES for b in self._buffers]  # addresses
         self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._count = 0  # what this rank's counter says now
 
@@ -88,7 +86,7 @@ class SharedBuffers:
         """Unmap the segments (their files are already gone); the object is unusable after."""
         for header in self._headers:
             header.release()
-        self._headers, self._buffers, self._views = [], [], {}
+        self._headers, self._buffers, self._views, self._counters = [], [], {}, []
         for m in self._maps:
             try:
                 m.close()
@@ -119,21 +117,18 @@ class SharedBuffers:
         raise NotImplementedError
 
     def _arrive(self) -> None:
-        """Count one more step done, then wait until every rank has counted as far: spin for
-        SPIN_S, then nap from FIRST_NAP_S, twice as long each time, up to MAX_NAP_S."""
+        """Count one more step done and wake the ranks that sleep on this counter; then wait
+        until every rank has counted as far, asleep in the kernel until a counter moves."""
         self._count += 1
         self._headers[self.rank][0] = self._count
-        start, nap = time.monotonic(), FIRST_NAP_S
-        for header in self._headers:
-            while header[0] < self._count:
-                waited = time.monotonic() - start
-                if waited > self.timeout:
+        futex_wake(self._counters[self.rank])
+        deadline = time.monotonic() + self.timeout
+        for q, header in enumerate(self._headers):
+            while (seen := header[0]) < self._count:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     self._timed_out()
-                if waited < SPIN_S:
-                    os.sched_yield()  # several ranks per core: let the one we wait for run
-                else:  # a long wait: leave the core to whatever computes
-                    time.sleep(nap)
-                    nap = min(2 * nap, MAX_NAP_S)
+                futex_wait(self._counters[q], seen, left)  # returns at once if it moved
 
     def _timed_out(self) -> None:
         """Close (the ranks are out of step now) and raise TimeoutError naming the late."""

@@ -5,7 +5,7 @@ round and wait, in the order the chapter builds them:
 
 1. ``PlainBarriers``: copy the whole piece in, reduce this rank's slice into a scratch tensor
    and copy it into the buffer, copy every slice out; a gloo barrier between the phases.
-2. ``SpinCounters``: the same rounds, the ranks waiting on counters in shared memory.
+2. ``SharedCounters``: the same rounds, the ranks waiting on counters in shared memory.
 3. ``SharedMemoryAllreduce`` itself: the sum goes straight into shared memory, so three
    copies of the rank's slice and one wait per round go.
 4. ``SharedMemoryAllreduce`` with its 2 MiB buffer, which stays in the CPU's cache.
@@ -58,10 +58,11 @@ class PlainBarriers(SharedBuffers):
         dist.barrier()
 
 
-class SpinCounters(PlainBarriers):
-    """Step 2: the same rounds; each rank counts in its header and spins on the others'.
+class SharedCounters(PlainBarriers):
+    """Step 2: the same rounds; each rank counts in its header and waits on the others'.
 
-    A wait costs a few reads of shared memory instead of a trip through the network stack."""
+    A wait costs a read of shared memory (and a sleep in the kernel if the count is not yet
+    there) instead of a trip through the network stack."""
 
     _arrive = SharedBuffers._arrive  # the counters, as SharedMemoryAllreduce waits
 
@@ -73,7 +74,7 @@ class SpinCounters(PlainBarriers):
 # next round's copy-in touches no region the others gather from, two waits suffice.
 SHM_STEPS: dict[str, Callable[[], ContextManager]] = {
     "1 plain: 3 barriers": partial(PlainBarriers, WHOLE_TENSOR_BYTES),
-    "2 spin counters": partial(SpinCounters, WHOLE_TENSOR_BYTES),
+    "2 shared counters": partial(SharedCounters, WHOLE_TENSOR_BYTES),
     "3 reduce into shared memory": partial(SharedMemoryAllreduce, WHOLE_TENSOR_BYTES),
     "4 2 MiB buffer": SharedMemoryAllreduce,
 }

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from dpcourse.shm import SharedBuffers, SharedMemoryAllreduce
-from dpcourse.shm_steps import SHM_STEPS, PlainBarriers, SpinCounters
+from dpcourse.shm_steps import SHM_STEPS, PlainBarriers, SharedCounters
 from workers import mapped_segments, no_collectives, own_segments, shm_input
 
-STEP_CLASSES = (PlainBarriers, SpinCounters, SharedMemoryAllreduce)
+STEP_CLASSES = (PlainBarriers, SharedCounters, SharedMemoryAllreduce)
 
 
 def seed_rank(rank: int, call: int) -> int:
@@ -62,10 +62,11 @@ def voluntary_switches() -> int:
     return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
 
 
-def wait_for_a_late_rank(late_s: float) -> dict | None:
+def wait_for_a_late_rank(late_s: float, timeout: float) -> dict | None:
     """Rank 1 arrives late_s seconds late at a wait (_arrive) and returns None; rank 0, waiting
-    for it, returns the wait's wall and CPU seconds and how often its thread slept meanwhile."""
-    with SharedBuffers(1 << 12) as shm:
+    for it (timeout: the SharedBuffers'), returns the wait's wall and CPU seconds and how
+    often its thread slept meanwhile."""
+    with SharedBuffers(1 << 12, timeout=timeout) as shm:
         shm._arrive()  # the ranks in step
         if dist.get_rank() == 1:
             time.sleep(late_s)

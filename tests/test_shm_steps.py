@@ -20,7 +20,7 @@ CASES = [(n, dt, False) for n in SIZES for dt in DTYPES] + [(4100, torch.float32
 PASSES = 2  # every case again on the same object
 FACTORY_CASES = [(0, torch.float32, False), (5, torch.int64, False),
                  (4099, torch.float32, False), (4100, torch.int64, True)]
-STEP_TYPES = ["PlainBarriers", "SpinCounters", "SharedMemoryAllreduce", "SharedMemoryAllreduce"]
+STEP_TYPES = ["PlainBarriers", "SharedCounters", "SharedMemoryAllreduce", "SharedMemoryAllreduce"]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
@@ -46,7 +46,7 @@ def rank_order_sum(world: int, call: int, numel: int, dtype: torch.dtype,
 def test_every_step_sums_like_dist_all_reduce_on_repeated_calls(run):
     _, reports, _ = run
     for report in reports:
-        assert list(report["records"]) == ["PlainBarriers", "SpinCounters",
+        assert list(report["records"]) == ["PlainBarriers", "SharedCounters",
                                            "SharedMemoryAllreduce"]
         for records in report["records"].values():
             assert [(r["call"], r["case"]) for r in records] == [
