@@ -15,16 +15,18 @@ SYS_FUTEX = 202  # the syscall's number on x86-64
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE_FLAG: the word is shared by processes
 WAKE_ALL = 2**31 - 1
 
-_libc = ctypes.CDLL(None, use_errno=True)  # a foreign call releases the GIL while it sleeps
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
 
 def futex_usable() -> bool:
     """Whether this machine has the futex syscall as this module calls it (x86-64 Linux)."""
     return platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
+
+
+# the C library (a foreign call releases the GIL while it sleeps); None where futex_usable is not
+_libc = ctypes.CDLL(None, use_errno=True) if futex_usable() else None
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
 def futex_wait(address: int, seen: int, seconds: float) -> None:
@@ -43,6 +45,9 @@ def futex_wake(address: int) -> None:
 def _futex(address: int, op: int, value: int, timeout: object) -> None:
     """The raw syscall; raise OSError for anything but a wake-up, EAGAIN (the word had
     changed), EINTR (a signal) or ETIMEDOUT."""
+    if _libc is None:
+        raise RuntimeError(f"futex needs x86-64 Linux, not {platform.system()} on "
+                           f"{platform.machine()}")
     done = _libc.syscall(ctypes.c_long(SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(op),
                          ctypes.c_uint32(value), timeout, None, ctypes.c_int(0))
     code = ctypes.get_errno() if done == -1 else 0
