@@ -1,8 +1,10 @@
 """The checkers of chapter 08 say "correct" to right answers and explain known wrong ones; their
 references agree with cost_model's formulas and with its bucket simulation."""
 import re
+from itertools import permutations
 
 import pytest
+import torch
 
 from dpcourse import cost_model
 from dpcourse.experiments import performance
@@ -13,7 +15,8 @@ from dpcourse.exercises.ch08 import (BUCKET_BACKWARD_S, BUCKET_COST, BUCKET_MODE
                                      check_best_bucket, check_bf16_overhead, check_copy_in,
                                      check_gather, check_predicted_seconds, check_reduce,
                                      check_ring_tree_crossover, check_round,
-                                     check_shm_broadcast, ring_tree_crossover_reference)
+                                     check_shm_broadcast, rank_order_sum,
+                                     ring_tree_crossover_reference, spread_inputs)
 from dpcourse.exercises.yours import on_ranks
 from shm_checks import LaunchedSegments
 
@@ -218,6 +221,41 @@ def test_the_checks_accept_the_package_code_on_3_ranks(tmp_path):
     for check in (check_reduce, check_round):  # the two that read the other ranks' regions
         said_by_ranks = on_ranks(check, path, "SharedMemoryAllreduce", world_size=3)
         assert len(set(said_by_ranks)) == 1 and "is right" in said_by_ranks[0]
+
+
+OWN_PART_FIRST = '''
+    def _reduce(self, regions, slices):
+        n = slices[self.rank].numel()
+        out = regions[self.rank][self.rank][:n]
+        out.copy_(slices[self.rank])  # the right parts, own one first: not rank order
+        for q in range(self.world):
+            if q != self.rank:
+                out += regions[q][self.rank][:n]
+'''
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_order_check_tells_every_other_order_of_the_parts(world):
+    """With its inputs, every order of the ranks' parts but rank order (and its twin, the
+    first two swapped: a + b is b + a) rounds some sum differently, on every rank's slice:
+    so the check cannot pass a wrong order."""
+    numel = world * (4096 // world // 64 * 64 // 4)  # a full round of the check's buffers
+    for rank in range(world):
+        parts = [spread_inputs(q, numel).tensor_split(world)[rank] for q in range(world)]
+        want = rank_order_sum(parts)
+        for order in permutations(range(world)):
+            if order[2:] == tuple(range(2, world)):
+                continue  # rank order, or its twin
+            assert not torch.equal(rank_order_sum([parts[q] for q in order]), want), order
+
+
+def test_the_reduce_check_names_a_sum_out_of_rank_order_on_3_ranks(tmp_path):
+    path = tmp_path / "own_part_first.py"
+    path.write_text("import torch\nfrom dpcourse.shm import SharedMemoryAllreduce\n\n\n"
+                    f"class SharedMemoryAllreduce(SharedMemoryAllreduce):{OWN_PART_FIRST}")
+    on_ranks(check_reduce, path, "SharedMemoryAllreduce")  # 2 ranks: any order is exact
+    with pytest.raises(AssertionError, match="not added in rank order"):
+        on_ranks(check_reduce, path, "SharedMemoryAllreduce", world_size=3)
 
 
 BROADCAST = '''import torch

@@ -100,12 +100,28 @@ def tail_not_dropped(n, global_batch, world, rank, step, seed):
                  start + (rank + 1) * global_batch // world].tolist()
 
 
-def test_long_index_lists_are_cut_saying_how_many_they_hold():
+def test_long_index_lists_are_cut_saying_how_many_they_hold_and_a_kept_tail_is_named():
     with pytest.raises(AssertionError) as error:
         check_rank_indices(tail_not_dropped)
     assert str(error.value) == (
         "n=100, G=12, rank 0 of 1, step 8 (epoch 1): got [76, 26, 63, 33], expected "
-        "[30, 13, 49, 91, 37, 71, ...] (12 in all): each rank takes G / k = 12 samples")
+        "[30, 13, 49, 91, 37, 71, ...] (12 in all): an epoch has n // G = 8 global batches: "
+        "its last 4 samples are dropped (as DataLoader's drop_last), and the next epoch "
+        "starts afresh")
+
+
+def ceil_batches_an_epoch(n, global_batch, world, rank, step, seed):
+    per_epoch = -(-n // global_batch)  # the last batch of an epoch short
+    epoch, batch = divmod(step, per_epoch)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    start = batch * global_batch
+    return order[start + rank * global_batch // world:
+                 start + (rank + 1) * global_batch // world].tolist()
+
+
+def test_an_epoch_with_a_short_last_batch_is_named_too():
+    with pytest.raises(AssertionError, match="an epoch has n // G = 8 global batches"):
+        check_rank_indices(ceil_batches_an_epoch)
 
 
 def equal_shares_only(n, global_batch, world, rank, step, seed):

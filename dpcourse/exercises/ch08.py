@@ -262,8 +262,9 @@ def check_copy_in(cls: type) -> str:
 
 def check_reduce(cls: type) -> str:
     """On each rank: after the package's copy-in and a wait, your _reduce leaves the sum of
-    slice rank, over the ranks, in region rank of the rank's own buffer, and nothing else,
-    without making a tensor as large as the slice (a scratch tensor)."""
+    slice rank, over the ranks, in region rank of the rank's own buffer (on 3 ranks or more,
+    added in rank order to the bit), and nothing else, without making a tensor as large as
+    the slice (a scratch tensor)."""
     group = _cpu_group()
     scratch: list[str] = []
     with cls(CHECK_BYTES) as shm:
@@ -280,12 +281,49 @@ def check_reduce(cls: type) -> str:
                 "_reduce changed the tensor: the sum goes into the buffer, not the slice")
             _sync(group)
             _check_buffers(shm, numel, "reduce")
+        if shm.world >= 3:  # from 3 parts on, the order of a float sum shows in its rounding
+            _check_rank_order(shm, group)
     assert not scratch, (
         f"the sums are right, but _reduce made a scratch tensor as large as the slice "
         f"(with {scratch[0]}): sum straight into regions[self.rank][self.rank][:n], "
         "torch.add(a, b, out=that region), then += the other parts")
+    order = ", added in rank order," if dist.get_world_size() >= 3 else ""
     return (f"_reduce is right: on {dist.get_world_size()} ranks region r of rank r's "
-                "buffer holds the sum of slice r, and nothing else changed")
+            f"buffer holds the sum of slice r{order} and nothing else changed")
+
+
+def spread_inputs(rank: int, numel: int) -> torch.Tensor:
+    """Rank's tensor in the order check: float32 of magnitudes 1e-4 to 1e4, so that adding
+    the ranks' parts in another order rounds some sums differently."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(numel, generator=gen) * 10 ** (8 * torch.rand(numel, generator=gen) - 4)
+
+
+def rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + parts[1], then + parts[2], ...: the sum in rank order, as float32 rounds it."""
+    total = parts[0] + parts[1]
+    for part in parts[2:]:
+        total += part
+    return total
+
+
+def _check_rank_order(shm: SharedBuffers, group: dist.ProcessGroup | None) -> None:
+    """After a full round's copy-in and reduce of spread_inputs, region rank of the rank's
+    own buffer holds its slice summed in rank order, to the bit."""
+    numel = shm.world * (shm.region_bytes // 4)
+    _fresh(shm, group)
+    slices = spread_inputs(shm.rank, numel).tensor_split(shm.world)
+    regions = shm._regions(torch.float32)
+    SharedMemoryAllreduce._copy_in(shm, regions, slices)
+    _sync(group)
+    shm._reduce(regions, slices)
+    want = rank_order_sum([spread_inputs(q, numel).tensor_split(shm.world)[shm.rank]
+                           for q in range(shm.world)])
+    assert torch.equal(regions[shm.rank][shm.rank][:want.numel()], want), (
+        f"on {shm.world} ranks the sums hold the right parts but not added in rank order, "
+        "and float sums round by their order: add parts[0] + parts[1], then += parts[2] and "
+        "on, rank q's part at place q (the rank's own part too)")
+    _sync(group)
 
 
 class _NewTensors(TorchFunctionMode):

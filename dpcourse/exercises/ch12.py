@@ -43,14 +43,27 @@ def check_rank_indices(rank_indices: Callable[..., list[int]]) -> None:
                         f"rank_indices({n}, {global_batch}, {world}, {rank}, {step}, {seed})",
                         lambda: list(rank_indices(n, global_batch, world, rank, step, seed)))
                     if got != expected:
-                        whole = reference_indices(n, global_batch, 1, 0, step, seed)
+                        hint = _index_hint(got, expected, n, global_batch, world, rank, step,
+                                           seed)
                         raise AssertionError(
                             f"n={n}, G={global_batch}, rank {rank} of {world}, step {step} (epoch "
                             f"{step // (n // global_batch)}): got {_shown(got)}, expected "
-                            f"{_shown(expected)}: "
-                            f"{_index_hint(got, expected, whole, global_batch, world, rank)}")
+                            f"{_shown(expected)}: {hint}")
     print(f"correct: rank 1 of 3 at step 9 (n=100, G=12, seed 3) takes {first}; the same "
           "global batches for every k")
+
+
+def _tail_kept(n: int, global_batch: int, world: int, rank: int, step: int,
+               seed: int) -> list[list[int]]:
+    """Two cuts that keep an epoch's last n % G samples: the permutations read as one stream,
+    and ceil(n / G) batches an epoch (the last one short)."""
+    def cut(epoch: int, start: int) -> list[int]:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        return order[start + rank * global_batch // world:
+                     start + (rank + 1) * global_batch // world].tolist()
+    epoch, start = divmod(step * global_batch, n)
+    per_epoch = -(-n // global_batch)
+    return [cut(epoch, start), cut(step // per_epoch, step % per_epoch * global_batch)]
 
 
 def _shown(indices: list[int], first: int = 6) -> str:
@@ -60,9 +73,14 @@ def _shown(indices: list[int], first: int = 6) -> str:
     return f"[{', '.join(map(str, indices[:first]))}, ...] ({len(indices)} in all)"
 
 
-def _index_hint(got: list[int], expected: list[int], whole: list[int], global_batch: int,
-                world: int, rank: int) -> str:
-    """What the wrong cut got wrong (whole: the global batch, in order)."""
+def _index_hint(got: list[int], expected: list[int], n: int, global_batch: int, world: int,
+                rank: int, step: int, seed: int) -> str:
+    """What the wrong cut got wrong."""
+    whole = reference_indices(n, global_batch, 1, 0, step, seed)  # the global batch, in order
+    if got in _tail_kept(n, global_batch, world, rank, step, seed):
+        return (f"an epoch has n // G = {n // global_batch} global batches: its last "
+                f"{n % global_batch} samples are dropped (as DataLoader's drop_last), and the "
+                "next epoch starts afresh")
     if got == whole[rank::world]:
         return "a rank takes one contiguous slice of the global batch, not a strided one"
     if sorted(got) == sorted(expected):
