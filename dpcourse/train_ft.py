@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--events", type=Path, default=None, metavar="PATH",
                    help="append each event (start, quorum, heal, serve, attempt, decision, "
                         "checkpoint, end) to PATH as a line of JSON")
+    p.add_argument("--digest-steps", action="store_true",
+                   help="with --events, also log each committed step's state digest "
+                        "(committed), so that the replicas can be compared step by step")
     args = p.parse_args(argv)
     if min(args.global_batch_size, args.steps, args.checkpoint_every, args.max_aborts) < 1:
         p.error("--global-batch-size, --steps, --checkpoint-every and --max-aborts need >= 1")
@@ -322,6 +325,8 @@ class Steps:
         """After a commit: the quorum's first member writes the checkpoint when one is due."""
         replica, args = self.replica, self.args
         self.aborted = []
+        if args.digest_steps:
+            self.log("committed", qid=quorum.id, step=replica.step, digest=digest(replica.state()))
         due = replica.step % args.checkpoint_every == 0 or replica.step == args.steps
         if args.checkpoint and due and quorum.members[0] == self.membership.replica_id:
             if write_checkpoint(args.checkpoint, args, replica.state()):

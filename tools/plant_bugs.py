@@ -102,6 +102,11 @@ BUGS = [
         "FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE_FLAG: the word is shared by processes",
         "FUTEX_WAIT, FUTEX_WAKE = 0, 0",
         ["tests/test_futex.py"]),
+    Bug("train_ft: one replica commits a slightly different update", "dpcourse/train_ft.py",
+        "                replica.commit(summed[:-1], quorum.id)",
+        "                replica.commit(summed[:-1] * (1 + 1e-6 * self.membership.replica_id"
+        ".startswith('r1')), quorum.id)",
+        ["tests/test_train_ft.py", "-k", "whatever_fails"]),
     Bug("elastic: reshard pads for the old world size", "dpcourse/elastic.py",
         "    padded = torch.zeros(padded_numel(numel, world), dtype=whole.dtype)",
         "    padded = torch.zeros(padded_numel(numel, len(shards)), dtype=whole.dtype)",
