@@ -3,8 +3,8 @@
 ``futex_wait(address, seen, seconds)`` sleeps while the word at address still holds seen:
 the kernel compares and queues the thread atomically, so a change made before the call is
 never missed. ``futex_wake(address)`` wakes every thread, of any process, that sleeps on that
-word. A woken thread is scheduled soon (it slept, so Linux runs it ahead of busy programs);
-the caller re-reads the word either way, since a wait also ends on a signal or the timeout.
+word. The caller re-reads the word after any return: a wait also ends on a signal or the
+timeout.
 """
 import ctypes
 import errno

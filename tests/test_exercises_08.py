@@ -10,7 +10,7 @@ from dpcourse import cost_model
 from dpcourse.experiments import performance
 from dpcourse.cost_model import AlphaBeta
 from dpcourse.exercises.ch08 import (BUCKET_BACKWARD_S, BUCKET_COST, BUCKET_MODEL_BYTES,
-                                     CROSSOVER_LINK, CROSSOVER_RANKS, PREDICT_BYTES,
+                                     CHECK_BYTES, CROSSOVER_LINK, CROSSOVER_RANKS, PREDICT_BYTES,
                                      best_bucket_reference, bf16_overhead_reference,
                                      check_best_bucket, check_bf16_overhead, check_copy_in,
                                      check_gather, check_predicted_seconds, check_reduce,
@@ -18,6 +18,7 @@ from dpcourse.exercises.ch08 import (BUCKET_BACKWARD_S, BUCKET_COST, BUCKET_MODE
                                      check_shm_broadcast, rank_order_sum,
                                      ring_tree_crossover_reference, spread_inputs)
 from dpcourse.exercises.yours import on_ranks
+from dpcourse.shm import ALIGN
 from shm_checks import LaunchedSegments
 
 FIT = AlphaBeta(alpha=300e-6, beta=1 / 1.5e9)  # a fit like gloo's on 2 processes
@@ -239,7 +240,7 @@ def test_the_order_check_tells_every_other_order_of_the_parts(world):
     """With its inputs, every order of the ranks' parts but rank order (and its twin, the
     first two swapped: a + b is b + a) rounds some sum differently, on every rank's slice:
     so the check cannot pass a wrong order."""
-    numel = world * (4096 // world // 64 * 64 // 4)  # a full round of the check's buffers
+    numel = world * (CHECK_BYTES // world // ALIGN * ALIGN // 4)  # a full round of the check
     for rank in range(world):
         parts = [spread_inputs(q, numel).tensor_split(world)[rank] for q in range(world)]
         want = rank_order_sum(parts)
