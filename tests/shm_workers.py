@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from dpcourse.shm import SharedBuffers, SharedMemoryAllreduce
 from dpcourse.shm_steps import SHM_STEPS, PlainBarriers, SharedCounters
-from workers import mapped_segments, no_collectives, own_segments, shm_input
+from workers import _error_of, mapped_segments, no_collectives, own_segments, shm_input
 
 STEP_CLASSES = (PlainBarriers, SharedCounters, SharedMemoryAllreduce)
 
@@ -76,3 +76,19 @@ def wait_for_a_late_rank(late_s: float, timeout: float) -> dict | None:
         shm._arrive()
         return {"wall": time.monotonic() - wall, "cpu": time.thread_time() - cpu,
                 "sleeps": voluntary_switches() - switches}
+
+
+def wait_past_a_late_rank_for_a_missing_one(late_s: float, timeout: float) -> dict | None:
+    """Rank 1 arrives late_s seconds late at a wait (_arrive), rank 2 never does; ranks 0 and 1
+    return their wait's wall seconds and what it raised (timeout: the SharedBuffers')."""
+    rank, report = dist.get_rank(), None
+    with SharedBuffers(1 << 12, timeout=timeout) as shm:
+        shm._arrive()  # the ranks in step
+        if rank == 1:
+            time.sleep(late_s)
+        if rank != 2:
+            wall = time.monotonic()
+            error = _error_of(shm._arrive)
+            report = {"wall": time.monotonic() - wall, "error": error}
+    dist.barrier()  # rank 2 stays until the others have given up
+    return report

@@ -124,6 +124,22 @@ def test_a_long_wait_sleeps_until_the_late_rank_arrives():
     assert wait["sleeps"] >= 1, wait
 
 
+def test_a_late_rank_does_not_extend_the_wait_for_a_missing_one():
+    """Rank 1 comes 1.5 s late, rank 2 never: rank 0 gives up on rank 2 when its own 2 s
+    timeout is up, not 2 s after rank 1 came (a deadline per peer, or a futex wait of the
+    whole timeout each time, would wait 3.5 s); rank 1 too, 2 s after it began to wait."""
+    late_s, timeout = 1.5, 2.0
+    with LaunchedSegments() as launched:
+        reports = launch(shm_workers.wait_past_a_late_rank_for_a_missing_one, late_s, timeout,
+                         world_size=3, backend="gloo", timeout=30)
+    for wait in reports[:2]:
+        assert wait["error"].startswith("TimeoutError"), wait
+        assert "rank 2 did not arrive within 2 s" in wait["error"], wait  # rank 1 came
+        assert timeout <= wait["wall"] < timeout + 1.0, wait  # the 1.5 s not added
+    assert reports[2] is None
+    assert launched.removed_by_launch == set() and launched.left() == set()
+
+
 def test_needs_the_default_process_group():
     with pytest.raises(RuntimeError, match="default process group"):
         SharedMemoryAllreduce(1 << 12)
