@@ -12,8 +12,10 @@ the file, one that is truncated or corrupt or was written by a different command
 from __future__ import annotations
 
 import copy
+import io
 import os
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -24,6 +26,11 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+
+try:
+    import fcntl  # POSIX only: elsewhere a checkpoint has no writer lock
+except ImportError:
+    fcntl = None
 
 FORMAT = "dpcourse.train_ddp/2"  # 2: records --dropout, and each rank's device generator
 
@@ -146,26 +153,60 @@ def lost_ranks(store: dist.Store, world_size: int) -> list[str]:
 
 def save(path: Path, state: dict[str, Any]) -> None:
     """Write state to path atomically, as a checkpoint of this format."""
-    write_atomically(path, {"format": FORMAT, **state})
+    with writer_lock(path):
+        write_atomically(path, {"format": FORMAT, **state})
 
 
 def write_atomically(path: Path, value: Any) -> None:
-    """torch.save value to path: a complete file or none (a temporary file of this call's own,
-    flushed to disk, then renamed over path, the rename flushed to the directory too)."""
+    """torch.save value to path: a complete file or none (serialized first, then written to a
+    temporary file of this call's own, flushed to disk, and renamed over path, the rename
+    flushed to the directory too). An OSError names path and the cause (a full disk, say)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(value, f)
+            f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename survives a crash of the machine too
+        finally:
+            os.close(folder)
+    except OSError as error:
+        raise OSError(error.errno, f"{path} not written: {error.strerror}") from error
     finally:
         tmp.unlink(missing_ok=True)  # only if the rename did not happen
-    folder = os.open(path.parent, os.O_RDONLY)
+
+
+@contextmanager
+def writer_lock(path: Path) -> Iterator[None]:
+    """Hold path's writer lock (flock on a file beside it, where the platform has one): one
+    writer at a time, whether processes or threads. Temporary files that killed writers left
+    are removed."""
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        for name in os.listdir(path.parent):
+            if name.startswith(f".{path.name}.") and name.endswith(".tmp"):
+                (path.parent / name).unlink(missing_ok=True)
+        yield
+
+
+def check_writable(path: Path) -> None:
+    """Raise ValueError naming path unless it names a file that can be created beside it."""
+    if path.is_dir():
+        raise ValueError(f"checkpoint {path} is a folder: name a file in it")
     try:
-        os.fsync(folder)  # the rename survives a crash of the machine too
-    finally:
-        os.close(folder)
+        handle, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe",
+                                         dir=path.parent)
+    except OSError as error:
+        raise ValueError(f"checkpoint {path} cannot be written: {error.strerror} (in "
+                         f"{path.parent})") from None
+    os.close(handle)
+    os.unlink(probe)
 
 
 def load(path: Path) -> dict[str, Any]:
