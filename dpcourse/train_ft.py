@@ -32,7 +32,8 @@ from . import resume
 from .data import SOURCES, fashion_mnist, resolve_source
 from .elastic import rank_indices
 from .launch import exit_without_shutdown
-from .quorum import LighthouseGone, Membership, Quorum, quorum_group, vote
+from .lighthouse import REPLICA_ID
+from .quorum import Membership, Quorum, RunEnded, forget_vote, quorum_group, vote
 from .recovery import digest, receive_state, recovery_plan, send_state
 from .train_ddp import build_model
 
@@ -48,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lighthouse", required=True, metavar="HOST:PORT",
                    help="the lighthouse (python -m dpcourse.lighthouse)")
     p.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}",
-                   help="this replica's name (default host-pid); each start adds a fresh id")
+                   help="this replica's name: letters, digits, '.', '_', '-' (default "
+                        "host-pid); each start adds a fresh id")
     p.add_argument("--model", choices=("lenet", "resnet18"), default="lenet",
                    help="default lenet (exact across memberships; ResNet-18's BatchNorm "
                         "statistics depend on the cut)")
@@ -96,7 +98,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{args.train_size}")
     if args.timeout <= 0 or args.momentum < 0 or args.warmup < 0:
         p.error("--timeout needs more than 0; --momentum and --warmup at least 0")
+    if not REPLICA_ID.fullmatch(f"{args.name}-000000"):
+        p.error(f"--name {args.name!r}: use letters, digits, '.', '_' and '-', starting with a "
+                "letter or digit (it is a key in the lighthouse's store)")
     return args
+
+
+def run_of(args: argparse.Namespace) -> dict[str, Any]:
+    """What shapes the run, the same on every replica and in its checkpoint: the arguments
+    CHECKED, with the data as it resolves ($DPCOURSE_DATA or --data alike)."""
+    return {**{k: getattr(args, k) for k in CHECKED}, "data": resolve_source(args.data)}
 
 
 class Replica:
@@ -140,7 +151,11 @@ class Replica:
 def gradient_sum(model: nn.Module, images: torch.Tensor,
                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sum of the per-sample gradients of these samples (flat, on the CPU), and of their
-    losses: sums, so that members' shares of any size add up to the global batch's."""
+    losses: sums, so that members' shares of any size (none too) add up to the global
+    batch's."""
+    if len(labels) == 0:
+        return torch.zeros(sum(p.numel() for p in model.parameters()), dtype=images.dtype), \
+            torch.zeros((), dtype=images.dtype)
     loss = F.cross_entropy(model(images), labels, reduction="sum")
     grads = torch.autograd.grad(loss, list(model.parameters()))
     return torch.cat([g.reshape(-1) for g in grads]).cpu(), loss.detach().cpu()
@@ -159,6 +174,16 @@ def members_mean_gradient(model: nn.Module, images: torch.Tensor, labels: torch.
         summed, _ = gradient_sum(model, images[samples], labels[samples])
         total = total + summed
     return total / global_batch
+
+
+def share(n: int, global_batch: int, members: int, member: int, step: int,
+          seed: int) -> list[int]:
+    """Member `member`'s samples of global batch `step` among `members`: its cut
+    (elastic.rank_indices); in a quorum of more members than samples, the first
+    global_batch members take one each and the others none."""
+    if member >= global_batch:
+        return []
+    return rank_indices(n, global_batch, min(members, global_batch), member, step, seed)
 
 
 def learning_rate(args: argparse.Namespace, step: int) -> float:
@@ -189,17 +214,18 @@ def read_checkpoint(path: Path | None, args: argparse.Namespace) -> dict[str, An
     if state.get("format") != FORMAT:
         raise RuntimeError(f"{path} was not written by python -m dpcourse.train_ft "
                            f"(format {FORMAT}): nothing was loaded")
-    resume.check_same_command(path, state["args"], {k: getattr(args, k) for k in CHECKED})
+    resume.check_same_command(path, state["args"], run_of(args))
     return state
 
 
 def write_checkpoint(path: Path, args: argparse.Namespace, state: dict[str, Any]) -> bool:
-    """Write state to path atomically, unless path holds this step or a later one."""
-    held = read_checkpoint(path, args)
-    if held is not None and held["step"] >= state["step"]:
-        return False
-    resume.write_atomically(path, {"format": FORMAT, "args": {k: getattr(args, k)
-                                                              for k in CHECKED}, **state})
+    """Write state to path atomically, unless path holds this step or a later one: checked
+    and written under the path's writer lock, so that two writers cannot cross."""
+    with resume.writer_lock(path):
+        held = read_checkpoint(path, args)
+        if held is not None and held["step"] >= state["step"]:
+            return False
+        resume.write_atomically(path, {"format": FORMAT, "args": run_of(args), **state})
     return True
 
 
@@ -232,6 +258,7 @@ class Steps:
         self.args, self.replica, self.membership = args, replica, membership
         self.log, self.at, (self.images, self.labels) = log, at, data
         self.group, self.group_id, self.aborted, self.samples = None, 0, [], None
+        self.quorum_s = 0.0  # how long the last quorum took to come
         rules = membership.rules  # the lighthouse's: a quorum may wait for all of these
         least = 2 * args.timeout + rules.heartbeat_timeout + rules.join_timeout
         if args.quorum_timeout <= least:
@@ -252,29 +279,47 @@ class Steps:
         bar = tqdm(total=args.steps, initial=replica.step, desc=self.membership.replica_id,
                    mininterval=1.0)
         while replica.step < args.steps:
-            step = replica.step
+            step, asked = replica.step, time.perf_counter()
             self.at("quorum", step)
             quorum = self.membership.ask(step, replica.qid, bool(self.aborted),
-                                         args.quorum_timeout)
+                                         args.quorum_timeout, self.waiting)
+            self.quorum_s = time.perf_counter() - asked
             if quorum.max_step < quorum.seen and self.reload(quorum):
                 continue
+            silences = self.membership.silences
             summed = self.attempt(quorum)
             self.at("vote", replica.step)
             commit = self.membership.call("voting", lambda: vote(
                 self.membership.store, quorum.id, replica.step, quorum.size, summed is not None,
                 args.timeout))
             self.log("decision", qid=quorum.id, step=replica.step, size=quorum.size,
-                     samples=self.samples, decision="commit" if commit else "abort",
+                     samples=self.samples, decision=self.decision(commit, quorum, silences),
                      loss=summed[-1].item() / args.global_batch_size if commit else None)
             if commit:
                 replica.commit(summed[:-1], quorum.id)
                 self.committed(quorum)
                 bar.update(replica.step - bar.n)
-                bar.set_postfix(quorum=quorum.id, members=quorum.size, refresh=False)
+                bar.set_postfix(quorum=str(quorum.id), members=quorum.size, refresh=False)
             else:
                 self.abort(quorum)
             self.watchdog.pet()
         bar.close()
+
+    def waiting(self, why: str) -> None:
+        tqdm.write(f"{self.membership.replica_id}: waiting for a quorum: {why}")
+
+    def decision(self, commit: bool, quorum: Quorum, silences: int) -> str:
+        """What the vote decided: "commit" or "abort"; "unknown" for an abort read after a
+        silence long enough for the lighthouse to forget this replica (a process stopped):
+        it may have deleted the vote, which the others committed. The step is not committed
+        here either way, and the replica heals at its next quorum."""
+        if commit:
+            return "commit"
+        if self.membership.silent_since(silences):
+            self.membership.call("forgetting a lost vote", lambda: forget_vote(
+                self.membership.store, quorum.id, self.replica.step))
+            return "unknown"
+        return "abort"
 
     def attempt(self, quorum: Quorum) -> torch.Tensor | None:
         """This member's part of the step in quorum: the members' gradient sums (and loss sum,
@@ -287,9 +332,10 @@ class Steps:
                 self.group = quorum_group(self.membership.store, quorum, rank, args.timeout)
                 self.group_id = quorum.id
             self.recover(quorum, rank)
-            samples = rank_indices(len(self.images), args.global_batch_size, quorum.size, rank,
-                                   replica.step, args.seed)
-            self.log("attempt", qid=quorum.id, step=replica.step, samples=samples)
+            samples = share(len(self.images), args.global_batch_size, quorum.size, rank,
+                            replica.step, args.seed)
+            self.log("attempt", qid=quorum.id, step=replica.step, samples=samples,
+                     quorum_s=self.quorum_s)
             self.samples = samples  # the decision's log line names them too
             self.at("forward", replica.step)
             grads, loss = gradient_sum(replica.model, self.images[samples].to(replica.device),
@@ -322,15 +368,28 @@ class Steps:
             self.log("serve", qid=quorum.id, step=step, to=quorum.members[member], digest=sha)
 
     def committed(self, quorum: Quorum) -> None:
-        """After a commit: the quorum's first member writes the checkpoint when one is due."""
+        """After a commit: the quorum's first member deletes the vote before this one, and
+        writes the checkpoint when one is due; a write that fails is logged, and training
+        goes on (the live replicas hold the state)."""
         replica, args = self.replica, self.args
         self.aborted = []
         if args.digest_steps:
             self.log("committed", qid=quorum.id, step=replica.step, digest=digest(replica.state()))
-        due = replica.step % args.checkpoint_every == 0 or replica.step == args.steps
-        if args.checkpoint and due and quorum.members[0] == self.membership.replica_id:
-            if write_checkpoint(args.checkpoint, args, replica.state()):
-                self.log("checkpoint", step=replica.step, qid=replica.qid)
+        if quorum.members[0] != self.membership.replica_id:
+            return
+        if replica.step >= 2:
+            self.membership.call("deleting a vote", lambda: forget_vote(
+                self.membership.store, quorum.id, replica.step - 2))
+        if args.checkpoint and (replica.step % args.checkpoint_every == 0
+                                or replica.step == args.steps):
+            try:
+                if write_checkpoint(args.checkpoint, args, replica.state()):
+                    self.log("checkpoint", step=replica.step, qid=replica.qid)
+            except OSError as error:
+                self.log("checkpoint failed", step=replica.step, path=str(args.checkpoint),
+                         error=str(error))
+                tqdm.write(f"{self.membership.replica_id}: checkpoint at step {replica.step} "
+                           f"failed ({error}); training goes on")
 
     def abort(self, quorum: Quorum) -> None:
         """The step is redone under the next quorum; after --max-aborts attempts, give up."""
@@ -366,9 +425,13 @@ def training_device(choice: str) -> torch.device:
 
 
 def train(args: argparse.Namespace, at: Phase = lambda phase, step: None) -> Replica:
-    """Train as one replica until --steps are committed; return the replica."""
-    device, source = training_device(args.device), resolve_source(args.data)
-    images, labels = fashion_mnist("train", args.train_size, source).tensors
+    """Train as one replica until --steps are committed; return the replica. A replica that
+    asks after the run has ended (every step committed) stops at once, with what it has."""
+    args = argparse.Namespace(**{**vars(args), "data": resolve_source(args.data)})  # once
+    if args.checkpoint:
+        resume.check_writable(args.checkpoint)
+    device = training_device(args.device)
+    images, labels = fashion_mnist("train", args.train_size, args.data).tensors
     replica = Replica(args, device)
     replica_id = f"{args.name}-{uuid.uuid4().hex[:6]}"  # fresh at each start
     log = EventLog(args.events, replica_id)
@@ -379,9 +442,16 @@ def train(args: argparse.Namespace, at: Phase = lambda phase, step: None) -> Rep
     if replica.step < args.steps:
         membership = Membership(args.lighthouse, replica_id)
         try:
-            membership.join_run({"source": source, **{k: getattr(args, k) for k in CHECKED}})
+            membership.join_run(run_of(args))
             Steps(args, replica, membership, (images.to(getattr(torch, args.dtype)), labels),
                   log, at).run()
+        except RunEnded as ended:
+            print(f"{replica_id}: {ended}, before this replica took part: nothing to train",
+                  flush=True)
+            log("late", step=replica.step, ended=ended.step)
+            membership.leave(replica.step)
+            return replica
+        else:
             membership.leave(replica.step)
         finally:
             membership.close()
@@ -392,8 +462,9 @@ def train(args: argparse.Namespace, at: Phase = lambda phase, step: None) -> Rep
 def main(argv: list[str] | None = None, at: Phase = lambda phase, step: None) -> None:
     args = parse_args(argv)
     replica = train(args, at)
-    print(f"Done: {replica.step} steps committed; state digest {digest(replica.state())[:16]}",
-          flush=True)
+    if replica.step == args.steps:
+        print(f"Done: {replica.step} steps committed; state digest "
+              f"{digest(replica.state())[:16]}", flush=True)
 
 
 if __name__ == "__main__":

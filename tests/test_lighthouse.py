@@ -1,11 +1,17 @@
 """The lighthouse's rules, each on a scripted sequence of heartbeats and requests (its Tracker:
 no I/O, times given), in torchft's order; then the service over its store, with replicas'
 Memberships."""
+import subprocess
+import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
+from dpcourse import quorum, train_ft
+from dpcourse.experiments.nodes import free_port
 from dpcourse.lighthouse import Lighthouse, Rules, Tracker, quorum_members
 from dpcourse.quorum import LighthouseGone, Membership
 
@@ -118,15 +124,46 @@ def test_it_keeps_the_largest_committed_step_and_logs_the_steps_redone():
     decided, _ = s.tracker.decide(2.0)
     assert decided["members"] == ["c"] and decided["steps"] == [7] and decided["seen"] == 10
     assert "steps 7 to 9 are redone" in s.tracker.events[-1][1]
+    for step in (8, 9):  # the same quorum goes on: said once, not at every step
+        s.at(2.0 + step / 100).beat("c").ask("c", step=step).quorum()
+    assert sum("redone" in what for _, what in s.tracker.events) == 1
 
 
-def test_a_replica_that_leaves_is_never_a_member_again_and_its_step_counts():
+def test_a_replica_that_leaves_ends_the_run_and_every_later_request_is_told_so():
     s = Script()
     s.beat("a", "b").ask("a", "b").quorum()
     s.tracker.request("b", {"n": 2, "step": 20, "leaving": True}, 0.1)
-    s.at(0.2).beat("a", "b").ask("a", step=19)
-    decided, _ = s.tracker.decide(0.2)  # b needs no heartbeat timeout to be gone
-    assert decided["members"] == ["a"] and decided["seen"] == 20
+    assert "lh/beat/b" in s.tracker.garbage  # b's keys go at once, no heartbeat timeout
+    s.at(0.2).beat("a", "b").ask("a", step=19)  # a zombie back; b's beat (late) is ignored
+    assert s.tracker.decide(0.2) == (None, "the run ended at step 20")
+    assert s.tracker.outbox[-1] == ("lh/answer/a/2", '{"ended": 20}')
+    assert "b" not in s.tracker.last_beat and s.tracker.max_step == 20
+
+
+def test_a_replica_silent_for_forget_after_is_forgotten_with_its_keys():
+    s = Script(Rules(heartbeat_timeout=1.0, forget_after=5.0))
+    s.beat("a", "b").ask("a", "b").quorum()
+    s.at(4.9).beat("a").ask("a").quorum()  # b was killed: dead, not yet forgotten
+    assert "b" in s.tracker.last_beat and "lh/beat/b" not in s.tracker.garbage
+    s.at(5.0).beat("a").ask("a").quorum()
+    assert "b" not in s.tracker.last_beat and not s.tracker.requests.get("b")
+    assert {"lh/beat/b", "lh/ask/b", "lh/answer/b/1"} <= set(s.tracker.garbage)
+
+
+def test_a_quorum_s_group_and_last_votes_go_once_no_member_can_read_them():
+    """Quorum 1 (a, b) ends at step 3 when b dies; a goes on in quorum 2. Quorum 1's keys
+    go only once b is forgotten as well: a zombie b may still read its last vote."""
+    s = Script(Rules(heartbeat_timeout=1.0, forget_after=5.0))
+    for step in range(4):
+        s.at(step / 10).beat("a", "b").ask("a", "b", step=step).quorum()
+    first = s.quorum_id()
+    s.at(2.0).beat("a").ask("a", step=4).quorum()  # b is dead: quorum 2, a alone
+    assert not [k for k in s.tracker.garbage if f"/{first}/" in k]  # b may come back
+    s.at(5.5).beat("a").ask("a", step=5).quorum()  # b forgotten
+    assert set(s.tracker.garbage) >= {
+        f"lh/vote/{first}/2/votes", f"lh/vote/{first}/2/decision", f"lh/vote/{first}/3/votes",
+        f"lh/vote/{first}/3/decision", f"lh/group/{first}/0/0", f"lh/group/{first}/0/1"}
+    assert list(s.tracker.open) == [first + 1]
 
 
 def test_a_request_counts_once():
@@ -160,11 +197,13 @@ def test_the_service_answers_over_its_store_and_a_closed_lighthouse_is_named():
     try:
         assert [q.members for q in answers[0]] == [["r0", "r1"]] * 5 == [q.members for q in
                                                                          answers[1]]
-        assert {q.id for q in answers[0]} == {1} and members[0].rules == lighthouse.rules
+        first = answers[0][0].id  # the lighthouse's start in ms: no other lighthouse's
+        assert {q.id for q in answers[0]} == {first} and members[0].rules == lighthouse.rules
+        assert abs(first / 1000 - time.time()) < 60
         members[1].close()  # r1 stops beating: r0 goes on alone after the heartbeat timeout
         started = time.monotonic()
         alone = members[0].ask(5, 1, False, timeout=10)
-        assert alone.members == ["r0"] and alone.id == 2
+        assert alone.members == ["r0"] and alone.id == first + 1
         assert 0.3 <= time.monotonic() - started < 5
     finally:
         lighthouse.close()
@@ -186,3 +225,134 @@ def test_a_replica_of_another_run_is_refused_naming_what_differs():
         finally:
             first.close()
             other.close()
+
+
+def test_ids_that_are_no_replica_s_never_deafen_the_lighthouse():
+    """A name with a space is refused where it is given; a registration that is not a
+    replica's (another client's, keys missing) is ignored, and quorums go on."""
+    with pytest.raises(ValueError, match="replica id 'gpu 0-ab12cd': use letters"):
+        Membership("127.0.0.1:1", "gpu 0-ab12cd")
+    with pytest.raises(SystemExit):
+        train_ft.parse_args(["--lighthouse", "127.0.0.1:1", "--name", "gpu 0"])
+    with Lighthouse(rules=Rules(join_timeout=0.1), tick=0.01) as lighthouse:
+        host, port = lighthouse.address.split(":")
+        dist.TCPStore(host, int(port), is_master=False).append("lh/joins", "gpu 0-ab12cd ")
+        member = Membership(lighthouse.address, "r0", beat_every=0.05)
+        try:
+            assert [member.ask(step, 0, False, timeout=10).members for step in range(3)] == \
+                [["r0"]] * 3
+        finally:
+            member.close()
+        ignored = [what for _, what in lighthouse.events if what.startswith("ignored")]
+    assert ignored == ["ignored the registration 'gpu': not a replica id with its keys",
+                       "ignored the registration '0-ab12cd': not a replica id with its keys"]
+
+
+def test_quorum_ids_never_repeat_across_lighthouses():
+    """A version (step, quorum id) from an earlier lighthouse's run never equals one of
+    this run's: two histories at one step still differ, and one heals from the other."""
+    ids = []
+    for _ in range(2):
+        with Lighthouse(rules=Rules(join_timeout=0.1), tick=0.01) as lighthouse:
+            member = Membership(lighthouse.address, "r0", beat_every=0.05)
+            try:
+                ids.append(member.ask(0, 0, False, timeout=10).id)
+                ids.append(member.ask(1, ids[-1], True, timeout=10).id)  # a new quorum
+            finally:
+                member.close()
+    assert ids[0] < ids[1] < ids[2] < ids[3], ids
+
+
+@pytest.fixture
+def patience(monkeypatch):
+    monkeypatch.setattr(quorum, "PATIENCE_S", 0.2)  # a waiting replica reads why every 0.2 s
+
+
+def test_a_replica_waiting_for_min_replicas_says_so_and_so_does_its_error(patience):
+    heard = []
+    with Lighthouse(rules=Rules(min_replicas=2, join_timeout=0.1), tick=0.01) as lighthouse:
+        member = Membership(lighthouse.address, "r0", beat_every=0.05)
+        try:
+            with pytest.raises(TimeoutError, match=r"no quorum within 1 s \(lighthouse .*\): "
+                                                   "1 asked, fewer than min_replicas 2"):
+                member.ask(0, 0, False, timeout=1, waiting=heard.append)
+        finally:
+            member.close()
+    assert heard == ["1 asked, fewer than min_replicas 2"]
+
+
+def test_a_replica_waiting_for_a_lighthouse_that_hangs_says_so(patience, monkeypatch):
+    stuck = threading.Event()
+    with Lighthouse(rules=Rules(join_timeout=0.1), tick=0.01) as lighthouse:
+        member = Membership(lighthouse.address, "r0", beat_every=0.05)
+        monkeypatch.setattr(lighthouse.tracker, "decide", lambda now: stuck.wait(30))
+        try:
+            with pytest.raises(TimeoutError, match="has not looked at the requests for "
+                                                   r"[0-9.]+ s: it hangs"):
+                member.ask(0, 0, False, timeout=1)
+        finally:
+            stuck.set()
+            member.close()
+
+
+def test_a_replica_whose_heartbeat_died_stops_waiting_naming_it(patience):
+    """Without beats it would be left out of every quorum: it ends instead, at once."""
+    class Broken:
+        def add(self, key: str, amount: int) -> int:
+            raise ValueError("injected")
+    with Lighthouse(rules=Rules(min_replicas=2), tick=0.01) as lighthouse:
+        member = Membership(lighthouse.address, "r0", beat_every=0.05)
+        member._beats = Broken()
+        started = time.monotonic()
+        try:
+            with pytest.raises(LighthouseGone, match=r"this replica's heartbeat stopped "
+                                                     r"\(ValueError: injected\)"):
+                member.ask(0, 0, False, timeout=30)
+        finally:
+            member.close()
+    assert time.monotonic() - started < 5
+
+
+def test_an_unexpected_error_ends_the_lighthouse_loudly_and_replicas_see_it_gone():
+    """A request that is not JSON (another client's) stops python -m dpcourse.lighthouse,
+    exit code 1 and the error printed, rather than leave a store that takes requests nobody
+    answers."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "dpcourse.lighthouse", "--port",
+                                str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        assert "listening" in process.stdout.readline()
+        member = Membership(f"127.0.0.1:{port}", "r0", beat_every=0.05)
+        other = dist.TCPStore("127.0.0.1", port, is_master=False)
+        other.add("lh/beat/x", 1)
+        other.set("lh/ask/x", "not JSON")
+        other.append("lh/joins", "x ")
+        started = time.monotonic()
+        try:
+            with pytest.raises(LighthouseGone, match=f"the lighthouse at 127.0.0.1:{port} is "
+                                                     "gone"):
+                member.ask(0, 0, False, timeout=30)
+        finally:
+            member.close()
+        assert time.monotonic() - started < 10
+        assert process.wait(10) == 1
+        assert "stopped by an unexpected error (JSONDecodeError" in process.stderr.read()
+    finally:
+        process.kill()
+        process.communicate()
+
+
+def test_a_store_call_that_times_out_names_the_lighthouse():
+    """Not a bare DistStoreError. (A lighthouse process stopped with SIGSTOP is another
+    case: torch 2.14.1's TCPStore client then waits in add or get with no timeout, and the
+    replica's watchdog ends it, saying so.)"""
+    with Lighthouse(tick=0.01) as lighthouse:
+        member = Membership(lighthouse.address, "r0", beat_every=0.05)
+        try:
+            with pytest.raises(LighthouseGone, match=f"the lighthouse at {lighthouse.address} "
+                                                     r"did not answer \(voting: "):
+                member.call("voting", lambda: member.store.wait(["lh/vote/never"],
+                                                                timedelta(seconds=0.1)))
+        finally:
+            member.close()

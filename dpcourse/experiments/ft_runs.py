@@ -213,18 +213,19 @@ class Replicas:
 
     def run(self, faults: dict[str, list[dict]], timeout: float = 300) -> dict[str, int]:
         """Start the replicas named in faults together, each failing as its faults say
-        (replica_with_faults); one killed with "restart" is started again at once, without
-        faults (as torchrun --max-restarts would), one stopped is continued after "pause"
-        seconds, or once the others have committed "resume_after" steps without it. Their
-        exit codes."""
+        (replica_with_faults); one killed with "restart" is started again at once, with the
+        faults listed after that kill (as torchrun --max-restarts would), one stopped is
+        continued after "pause" seconds, or once the others have committed "resume_after"
+        steps without it. Their exit codes."""
         self.start_together(list(faults), replica_with_faults, {n: (f,) for n, f in
                                                                faults.items()})
+        later = {n: [fs[i + 1:] for i, f in enumerate(fs) if f.get("restart")]
+                 for n, fs in faults.items()}
         return self.supervise(
-            timeout, restarts={n: sum(bool(f.get("restart")) for f in fs)
-                               for n, fs in faults.items()},
+            timeout, restarts={n: len(rest) for n, rest in later.items()},
             pauses={n: [f["pause"] if "pause" in f else self.others_committed(n, f["resume_after"])
                         for f in fs if f["how"] == "stop"] for n, fs in faults.items()},
-            start=lambda name: self.start(name, replica_with_faults, []))
+            start=lambda name: self.start(name, replica_with_faults, later[name].pop(0)))
 
     def others_committed(self, name: str, steps: int) -> Callable[[], bool]:
         """A function that says, once called, whether the replicas other than name have
@@ -317,7 +318,7 @@ def audit(events: list[dict[str, Any]]) -> dict[str, Any]:
     and how many distinct final states the replicas ended with."""
     decisions, samples = defaultdict(set), defaultdict(list)
     for e in events:
-        if e["event"] == "decision":
+        if e["event"] == "decision" and e["decision"] != "unknown":  # unknown: no decision
             decisions[e["qid"], e["step"]].add(e["decision"])
         elif e["event"] == "attempt":
             samples[e["qid"], e["step"]] += e["samples"]
@@ -366,6 +367,22 @@ def replay(flags: Sequence[str], members: dict[int, int]) -> dict[str, torch.Ten
     finally:
         torch.set_num_threads(threads)
     return model.state_dict()
+
+
+def rounding_gaps(flags: Sequence[str], steps: Sequence[int],
+                  members: Sequence[int]) -> dict[tuple[int, int], float]:
+    """The largest parameter gap, after each number of steps n, between a run without
+    failures of q members at every step (replay: the replicas' bits for q <= 2; with more,
+    gloo adds the members' sums in another order) and one uninterrupted process
+    (one_process_run, on this process's threads), by (n, q)."""
+    gaps = {}
+    for n in steps:
+        run = [*flags, "--steps", str(n)]
+        _, reference = one_process_run(run)
+        for q in members:
+            replayed = replay(run, dict.fromkeys(range(n), q))
+            gaps[n, q] = max((replayed[k] - reference[k]).abs().max().item() for k in reference)
+    return gaps
 
 
 def memberships(events: list[dict[str, Any]]) -> dict[int, int]:
