@@ -52,7 +52,8 @@ def test_the_same_failure_under_torchft_beside_ours(tmp_path):
 
 def test_the_benchmark_prints_the_issue_s_table_with_each_goal(monkeypatch, capsys):
     measured = {False: {"kill_to_next_commit_s": 1.1, "start_to_first_commit_s": 2.0,
-                        "samples_skipped": 0, "gap": 2e-15, "replay_gap": 0.0, "runs": 3},
+                        "samples_skipped": 0, "gap": 2e-15, "replay_gap": 0.0,
+                        "failure_free_gap": 3e-15, "runs": 3},
                 True: {"kill_to_next_commit_s": 1.0, "start_to_first_commit_s": 5.0,
                        "samples_skipped": 48, "gap": 0.5, "runs": 3}}
     monkeypatch.setattr(torchft_runs, "available", lambda: (True, ""))
@@ -69,6 +70,8 @@ def test_the_benchmark_prints_the_issue_s_table_with_each_goal(monkeypatch, caps
         in out
     assert "ours <= torchft's (met: x0.40)" in out and "ours 0 (met)" in out
     assert "x1.10" in out and "<= 1.15x (met)" in out
+    assert "0.0e+00 from one process replaying its memberships; 2 members, no failure: 3.0e-15" \
+        in out
     assert figures["steady_step_s"] == {"ScratchDDP": 0.010, "ours": 0.011,
                                         "torchft 0.2.0": 0.012}
     monkeypatch.setattr(torchft_runs, "available", lambda: (False, "not installed"))

@@ -44,7 +44,7 @@ from ..launch import exit_without_shutdown
 from ..lenet import lenet_model
 from ..lighthouse import Rules
 from .ft_runs import (EXACT, Replicas, flag, memberships, one_process_run, replay,
-                      run_replica)
+                      rounding_gaps, run_replica)
 
 
 def available() -> tuple[bool, str]:
@@ -244,7 +244,8 @@ def failure_figures(folder: Path, torchft: bool, repeats: int, command: bool) ->
     replica's first commit in these runs, or, with command, in as many runs where it starts
     as a command (imports included; LONG_STEPS, cut short there, so that r0 is still
     training when it comes); and the parameter gap to one uninterrupted process of the first
-    run (ours: also to one process replaying its memberships)."""
+    run (ours: also to one process replaying its memberships, and the gap of a run of 2
+    members without failures)."""
     runs, flags = [], [*FAILURE_FLAGS, "--steps", str(STEPS)]
     name = "torchft" if torchft else "ours"
     for i in range(repeats):
@@ -267,6 +268,7 @@ def failure_figures(folder: Path, torchft: bool, repeats: int, command: bool) ->
         replayed = replay(flags, memberships(runs[0]["events"]))
         figures["replay_gap"] = max((runs[0]["final"][k] - replayed[k]).abs().max().item()
                                     for k in replayed)
+        figures["failure_free_gap"] = rounding_gaps(flags, [STEPS], [2])[STEPS, 2]
     return {**figures, "gap": gap, "runs": repeats}
 
 
