@@ -343,6 +343,23 @@ def test_an_unexpected_error_ends_the_lighthouse_loudly_and_replicas_see_it_gone
         process.communicate()
 
 
+def test_an_unexpected_error_closes_an_in_process_lighthouse_s_store(monkeypatch):
+    """Threads of a notebook or a test: no process exit closes the store for them."""
+    def broken(now: float) -> None:
+        raise KeyError("injected")
+    with Lighthouse(tick=0.01) as lighthouse:
+        member = Membership(lighthouse.address, "r0", beat_every=0.05)
+        monkeypatch.setattr(lighthouse.tracker, "decide", broken)
+        try:
+            with pytest.raises(LighthouseGone, match=f"the lighthouse at {lighthouse.address} "
+                                                     "is gone"):
+                member.ask(0, 0, False, timeout=30)
+        finally:
+            member.close()
+    assert lighthouse.error == "KeyError: 'injected'"
+    assert lighthouse.events[-1][1] == "stopped by an unexpected error: KeyError: 'injected'"
+
+
 def test_a_store_call_that_times_out_names_the_lighthouse():
     """Not a bare DistStoreError. (A lighthouse process stopped with SIGSTOP is another
     case: torch 2.14.1's TCPStore client then waits in add or get with no timeout, and the
