@@ -3,7 +3,7 @@ tree allreduce is checked; right code passes, the textbook's versions are reject
 import pytest
 import torch
 
-from dpcourse.collectives import allreduce, broadcast, get_params
+from dpcourse.collectives import allreduce, broadcast, check_devices, get_params
 from dpcourse.exercises.ch03 import (check_allreduce, check_broadcast, check_get_params,
                                      check_ring_allreduce, check_tree_allreduce, tree_sent)
 from dpcourse.ring import ring_allreduce
@@ -83,6 +83,17 @@ def test_the_textbooks_allreduce_leaves_the_other_devices_without_the_sum() -> N
 def test_a_broadcast_without_copies_is_rejected() -> None:
     with pytest.raises(AssertionError, match="share memory"):
         check_broadcast(lambda tensor, devs: [tensor.detach().to(d) for d in devs])
+
+
+def test_one_clone_sent_to_every_device_is_rejected_on_two_of_the_same() -> None:
+    """On [cpu, cpu], .to returns the one clone twice: the two copies are one tensor."""
+    def one_clone(tensor, devs):
+        check_devices(devs, "broadcast")
+        copy = tensor.detach().clone()
+        return [copy.to(d) for d in devs]
+    with pytest.raises(AssertionError, match=r"^on \[cpu, cpu\] some copies share memory with "
+                                             r"each other or with the tensor: \.to returns"):
+        check_broadcast(one_clone)
 
 
 def test_a_ring_that_ignores_non_contiguous_tensors_is_rejected() -> None:

@@ -72,3 +72,26 @@ def test_split_batch_check_names_one_example_on_one_device_in_the_singular():
     from dpcourse.exercises.ch04 import check_split_batch
     with pytest.raises(AssertionError, match=r"^1 example on 1 device: shards of \[0\], want \[1\]$"):
         check_split_batch(lambda X, y, devs: ([X[:0]], [y[:0]]))
+
+
+def without_check_devices(X, y, devs):
+    check_batch(X, y)
+    return [c.to(d) for c, d in zip(X.chunk(len(devs)), devs)], \
+        [c.to(d) for c, d in zip(y.chunk(len(devs)), devs)]
+
+
+def as_pairs(X, y, devs):
+    check_devices(devs, "split_batch")
+    check_batch(X, y)
+    return [(a.to(d), b.to(d)) for a, b, d in zip(X.chunk(len(devs)), y.chunk(len(devs)), devs)]
+
+
+@pytest.mark.parametrize("split_batch, message", [
+    (without_check_devices, r"^split_batch with no devices failed inside with "
+                            r"RuntimeError: call check_devices first"),  # chunk(0)
+    (as_pairs, r"^split_batch returned a list of 1 \(X, y\) pair: return two lists instead")])
+def test_split_batch_check_names_a_missing_device_check_and_pairs_in_one_line(split_batch,
+                                                                             message):
+    from dpcourse.exercises.ch04 import check_split_batch
+    with pytest.raises(AssertionError, match=message):
+        check_split_batch(split_batch)

@@ -226,16 +226,18 @@ def check_broadcast(broadcast: Callable) -> None:
     """Your broadcast(tensor, devs): one copy per device, each in its own memory, none
     requiring grad, and a ValueError for an empty device list."""
     source = torch.arange(6.0).reshape(2, 3).requires_grad_()
-    for k in (1, 2, 3, 5):
-        devs = [torch.device("cpu")] + _simulated(k - 1)
+    cpu = torch.device("cpu")
+    for devs in [[cpu] + _simulated(k - 1) for k in (1, 2, 3, 5)] + [[cpu, cpu]]:
+        k = len(devs)
         copies = broadcast(source, devs)
         assert isinstance(copies, list) and len(copies) == k, (
             f"{count(k, 'device')} should give a list of {count(k, 'copy', 'copies')}, got "
             f"{copies!r:.60}")
         memory = {source.data_ptr()} | {c.data_ptr() for c in copies}
+        where = "[cpu, cpu]" if devs == [cpu, cpu] else count(k, "device")
         assert len(memory) == k + 1, (
-            f"on {count(k, 'device')} some copies share memory with each other or with the "
-            "tensor: ask .to for copy=True")
+            f"on {where} some copies share memory with each other or with the tensor: .to "
+            "returns its input when it is already there; ask it for copy=True, per device")
         for d, c in zip(devs, copies):
             assert torch.equal(c, source.detach()), f"the copy for {d} has other values"
             assert not c.requires_grad, f"the copy for {d} requires grad: detach it"

@@ -131,7 +131,7 @@ def check_split_batch(split_batch: Callable) -> None:
         devs = [torch.device("cpu", i) for i in range(k)]
         for n in range(1, 21):
             X, y = torch.randn(n, 3), torch.arange(n)
-            X_shards, y_shards = split_batch(X, y, devs)
+            X_shards, y_shards = _two_lists(split_batch(X, y, devs))
             where = f"{count(n, 'example')} on {count(k, 'device')}"
             want = [len(c) for c in X.chunk(k)]
             got = [len(s) for s in X_shards]
@@ -145,15 +145,36 @@ def check_split_batch(split_batch: Callable) -> None:
         where = [s.device.type for s in shards]
         assert where == ["meta", "cpu"], (f"devices meta, cpu got the shards of {name} on "
                                           f"{where}: move shard i of X and of y to devs[i]")
-    for what, args in (("labels of another length", (torch.randn(5, 3), torch.arange(4))),
-                       ("an empty batch", (torch.randn(0, 3), torch.arange(0)))):
+    for what, args, helper in (
+            ("labels of another length", (torch.randn(5, 3), torch.arange(4), devs), "check_batch"),
+            ("an empty batch", (torch.randn(0, 3), torch.arange(0), devs), "check_batch"),
+            ("no devices", (torch.randn(4, 3), torch.arange(4), []), "check_devices")):
         try:
-            split_batch(*args, devs)
+            split_batch(*args)
         except ValueError:
             continue
-        raise AssertionError(f"split_batch accepted {what}: raise a ValueError that says so")
+        except Exception as error:  # noqa: BLE001 - torch's own error, from deeper down
+            raise AssertionError(f"split_batch with {what} failed inside with "
+                                 f"{type(error).__name__}: call {helper} first, which raises "
+                                 "a ValueError that says what is wrong") from None
+        raise AssertionError(f"split_batch accepted {what}: call {helper}, which raises a "
+                             "ValueError that says so")
     print("split_batch is right: torch.chunk's shards for 1-20 examples on 1-5 devices, "
           "and clear errors for bad input")
+
+
+def _two_lists(result: object) -> tuple[list, list]:
+    """split_batch's result as (X's shards, y's shards), or an AssertionError saying what it
+    returned instead."""
+    if isinstance(result, (tuple, list)) and len(result) == 2 and all(
+            isinstance(part, (tuple, list)) for part in result):
+        return result[0], result[1]
+    if isinstance(result, list) and result and all(
+            isinstance(pair, tuple) and len(pair) == 2 for pair in result):
+        raise AssertionError(f"split_batch returned a list of {count(len(result), '(X, y) pair')}"
+                             ": return two lists instead, X's shards and y's shards")
+    raise AssertionError(f"split_batch should return two lists (X's shards, y's shards), got "
+                         f"{result!r:.60}")
 
 
 def _loads(lengths: list[int], sizes: list[int]) -> list[int]:
