@@ -181,6 +181,35 @@ def test_sgd_check_says_a_rebinding_update_was_not_in_place() -> None:
         check_sgd(rebinding)
 
 
+def test_sgd_check_names_an_update_outside_no_grad_in_one_line() -> None:
+    """torch refuses it inside the student's sgd: the checker's line, not torch's error."""
+    import pytest
+    from dpcourse.exercises.ch02 import check_sgd
+
+    def recorded(params, lr, batch_size):
+        for p in params:
+            p -= lr * p.grad / batch_size
+            p.grad = None
+    with pytest.raises(AssertionError, match=r"^sgd changed a parameter in place while "
+                                             r"autograd records.*under torch\.no_grad\(\)$"):
+        check_sgd(recorded)
+
+
+def test_lenet_check_names_a_batch_flattened_whole_in_one_line() -> None:
+    import pytest
+    from dpcourse.exercises.ch02 import check_lenet
+
+    def flattened_whole(X, params):
+        W1, b1, W2, b2, W3, b3, W4, b4 = params
+        h = torch.nn.functional.avg_pool2d(torch.relu(torch.conv2d(X, W1, b1)), 2)
+        h = torch.nn.functional.avg_pool2d(torch.relu(torch.conv2d(h, W2, b2)), 2)
+        return torch.relu(h.reshape(1, -1) @ W3 + b3) @ W4 + b4
+    with pytest.raises(AssertionError, match=r"^a dense layer got the wrong shape \(mat1 and "
+                                             r"mat2 shapes cannot be multiplied .*\): flatten "
+                                             r"each image, not the whole batch"):
+        check_lenet(flattened_whole)
+
+
 def momentum_sgd(params, buffers, lr, batch_size, momentum=0.9):
     with torch.no_grad():
         for i, p in enumerate(params):

@@ -251,3 +251,35 @@ def test_the_step_check_says_what_is_missing(tmp_path):
     path.write_text(STEP_WITHOUT_SHARING.replace("self.optim.step()", fixed))
     with pytest.raises(AssertionError, match=r"call self\._share_parameters\(\)"):
         on_ranks(check_step, path, "ShardedOptimizer")
+
+
+ONE_BUFFER_PER_OWNER = """
+import torch
+import torch.distributed as dist
+from dpcourse.zero import ShardedOptimizer
+
+
+class ShardedOptimizer(ShardedOptimizer):
+    def _share_parameters(self):
+        for rank in range(self.world):
+            shard = self.shard(rank)
+            sizes = [p.numel() for p in shard]
+            if rank == self.rank:
+                flat = torch.cat([p.detach().reshape(-1) for p in shard])
+            else:
+                flat = torch.empty(sum(sizes), dtype=torch.float64)
+            dist.broadcast(flat, src=rank)
+            if rank != self.rank:
+                for p, piece in zip(shard, flat.split(sizes)):
+                    p.copy_(piece.view_as(p))
+"""
+
+
+def test_the_sharing_check_names_one_buffer_per_owner_whatever_the_dtype(tmp_path):
+    """Its values arrive (float32 to float64 and back is exact), in fewer broadcasts than
+    (owner, dtype) pairs: before, it passed as "one broadcast per owner and dtype"."""
+    path = tmp_path / "share.py"
+    path.write_text(ONE_BUFFER_PER_OWNER)
+    with pytest.raises(AssertionError, match=r"a shard of float32 and float64 parameters in "
+                                             r"one torch\.cat goes as float64"):
+        on_ranks(check_share_parameters, path, "ShardedOptimizer")

@@ -147,7 +147,14 @@ def check_lenet(lenet: Callable) -> None:
     with the same weights, and gradients that reach every parameter."""
     params = [p.requires_grad_() for p in init_lenet_params(seed=1, scale=0.1)]
     X = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(2))
-    got = lenet(X, params)
+    try:
+        got = lenet(X, params)
+    except RuntimeError as error:
+        if "cannot be multiplied" not in str(error):
+            raise
+        raise AssertionError(f"a dense layer got the wrong shape ({str(error).splitlines()[0]}): "
+                             "flatten each image, not the whole batch: X.reshape(len(X), -1)"
+                             ) from None
     net = nn.Sequential(nn.Conv2d(1, 20, 3), nn.ReLU(), nn.AvgPool2d(2), nn.Conv2d(20, 50, 5),
                         nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(800, 128),
                         nn.ReLU(), nn.Linear(128, 10))
@@ -181,7 +188,14 @@ def check_sgd(sgd: Callable) -> None:
     want = [(p - 0.5 * p.grad / 8).detach() for p in params]
     before = [p.detach().clone() for p in params]
     tensors, memory = list(params), [p.data_ptr() for p in params]
-    sgd(params, 0.5, 8)
+    try:
+        sgd(params, 0.5, 8)
+    except RuntimeError as error:
+        if "leaf Variable that requires grad" not in str(error):
+            raise
+        raise AssertionError("sgd changed a parameter in place while autograd records, which "
+                             "torch refuses for a leaf that requires grad: update it under "
+                             "torch.no_grad()") from None
     for i, p in enumerate(params):
         assert p is tensors[i] and p.data_ptr() == memory[i], (
             f"parameter {i} is a new tensor: update it in place (p -= ...)")

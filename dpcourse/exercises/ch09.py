@@ -244,8 +244,9 @@ def check_share_parameters(cls: type) -> str:
         for p, new in zip(params, stepped):
             if opt.owner(p) == rank:
                 p.copy_(new)
-    calls, broadcast = [], dist.broadcast
-    dist.broadcast = lambda *a, **k: calls.append(1) or broadcast(*a, **k)
+    calls, broadcast = [], dist.broadcast  # calls: (dtype, elements) of each broadcast
+    dist.broadcast = lambda t, *a, **k: calls.append((t.dtype, t.numel())) or broadcast(t, *a,
+                                                                                      **k)
     try:
         with torch.no_grad():  # as in step
             opt._share_parameters()
@@ -262,6 +263,14 @@ def check_share_parameters(cls: type) -> str:
         f"{count(len(calls), 'broadcast')} for {count(len(kinds), '(owner, dtype) pair')}: "
         "send each owner's shard as one flat buffer per dtype (torch.cat of the flattened "
         "parameters)")
+    want = sorted((str(dtype), sum(p.numel() for p in params
+                                   if opt.owner(p) == owner and p.dtype == dtype))
+                  for owner, dtype in kinds)
+    sent = sorted((str(dtype), n) for dtype, n in calls)
+    assert sent == want, (
+        f"the broadcasts sent {sent}, one buffer per (owner, dtype) would send {want}: a shard "
+        "of float32 and float64 parameters in one torch.cat goes as float64 (the float32 ones "
+        "at twice their bytes); make one flat buffer per dtype")
     return (f"_share_parameters is right: on {dist.get_world_size()} ranks every parameter "
                 "holds its owner's values, one broadcast per owner and dtype")
 
