@@ -164,15 +164,31 @@ def test_train_batch_check_refuses_a_loss_that_still_requires_grad():
         check_train_batch(lambda *a, **k: step_without(*a, **k, detach=False))
 
 
-def accumulated(X, y, params, lr, k, shard_loss="sum", update_each=False):
+def test_train_batch_check_names_an_allreduce_of_the_parameters():
+    """Before, only "your update is ... away from the one-device step"."""
+    def parameters_summed(X, y, device_params, devs, lr, allreduce=allreduce):
+        X_shards, y_shards = split_batch(X, y, devs)
+        for Xs, ys, params in zip(X_shards, y_shards, device_params):
+            loss(lenet(Xs, params), ys).sum().backward()
+        for params in zip(*device_params):
+            allreduce(list(params))
+        for params in device_params:
+            sgd(params, lr, len(y))
+    with pytest.raises(AssertionError, match=r"^batch 10 on 1 device: the allreduce got the "
+                                             r"replicas' parameters, not their gradients"):
+        check_train_batch(parameters_summed)
+
+
+def accumulated(X, y, params, lr, k, shard_loss="sum", update_each=False, per_micro=False):
     """Exercise 5 written out: the k shards one after the other, one update (or, wrong, the
-    mean of each shard's loss, or an update after every shard)."""
+    mean of each shard's loss, an update after every shard, or the summed gradient divided by
+    a micro-batch's size)."""
     for Xs, ys in zip(X.chunk(k), y.chunk(k)):
         getattr(loss(lenet(Xs, params), ys), shard_loss)().backward()
         if update_each:
             sgd(params, lr, len(y))
     if not update_each:
-        sgd(params, lr, len(y))
+        sgd(params, lr, len(X.chunk(k)[0]) if per_micro else len(y))
 
 
 def test_accumulated_step_accepts_summed_shards_and_one_update(capsys):
@@ -186,6 +202,10 @@ def test_accumulated_step_accepts_summed_shards_and_one_update(capsys):
                                               "updated after every micro-batch")
     check_accumulated_step(lambda X, y, params, lr, k: accumulated(X, y, params, 2 * lr, k))
     assert "away from the one-device step" in capsys.readouterr().out
+    check_accumulated_step(lambda *a: accumulated(*a, per_micro=True))
+    assert capsys.readouterr().out == (  # before, only "... away from the one-device step"
+        "not quite: batch 10 in 2 micro-batches: the step is as long as if you divided by a "
+        "micro-batch's size: divide the summed gradient by the whole batch, X.shape[0]\n")
 
 
 def test_unanswered_exercises_say_so(capsys):

@@ -122,6 +122,11 @@ def check_accumulated_step(accumulated_step: Callable | None) -> None:
         if _step_problem([params], _stepwise(start, X[:n], y[:n], k, 0.1), start) is None:
             return print(f"not quite: {where}: you updated after every micro-batch: let the "
                          "gradients add up over all of them, then call sgd once")
+        if any(math.isclose(_step_scale(params, want, start), n / len(shard), rel_tol=1e-3)
+               for shard in X[:n].chunk(k) if len(shard) < n):
+            return print(f"not quite: {where}: the step is as long as if you divided by a "
+                         "micro-batch's size: divide the summed gradient by the whole batch, "
+                         "X.shape[0]")
         rel = max(float((p.detach() - w).abs().max() / (w - p0).abs().max())
                   for p, w, p0 in zip(params, want, start))
         return print(f"not quite: {where}: your update is {rel:.1e} (relative) away from the "
@@ -185,6 +190,9 @@ def check_train_batch(train_batch: Callable) -> None:
 
         def given_allreduce(grads: list[torch.Tensor | None]) -> list[int]:
             calls.append(len(grads))
+            assert not any(g is p for g in grads for replica in replicas for p in replica), (
+                f"{where}: the allreduce got the replicas' parameters, not their gradients: "
+                "pass it [params[j].grad for params in device_params], parameter by parameter")
             missing = [i for i, grad in enumerate(grads) if grad is None]
             assert not missing or missing[0] >= shards, (
                 f"{where}: device {missing[0]} had a shard but has no gradient at the allreduce: "
