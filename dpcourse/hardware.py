@@ -21,7 +21,7 @@ def devices(n: int | None = None, *, simulate: bool = False) -> list[torch.devic
     real = [] if simulate else accelerators()
     if n is None:
         return real or [torch.device("cpu")]
-    if not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # a bool is an int too
         raise ValueError(f"devices(n) needs a whole number n >= 1, got {n!r}")
     if len(real) >= n:
         return real[:n]

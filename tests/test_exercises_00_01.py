@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dpcourse.exercises import ch00, ch01
-from dpcourse.hardware import accelerators
+from dpcourse.hardware import accelerators, devices
 from dpcourse.resnet import resnet18
 
 RESNET_PARAMETERS = sum(p.numel() for p in resnet18().parameters())
@@ -161,7 +161,7 @@ def test_device_choice_accepts_the_package_and_stops_at_a_stub() -> None:
 
 def test_device_choice_says_when_round_robin_is_missing() -> None:
     def no_round_robin(n=None, *, simulate=False):
-        if n is not None and (not isinstance(n, int) or n < 1):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError("n >= 1")
         if n is None:
             return [torch.device("cpu")]
@@ -196,6 +196,15 @@ def test_device_choice_says_a_float_count_should_raise_value_error() -> None:
     with pytest.raises(AssertionError, match=r"devices\(2.5\) raised TypeError .*; it should "
                                              "raise ValueError"):
         ch00.check_device_choice(no_type_check)
+
+
+def test_device_choice_says_a_bool_is_no_count() -> None:
+    """devices(True) was accepted as a count of 1, by the checker and the chapter alike."""
+    with pytest.raises(AssertionError, match=r"^devices\(True\) did not raise a ValueError: a "
+                                             r"bool is an int in Python \(True == 1\)"):
+        ch00.check_device_choice(chapter_devices)
+    with pytest.raises(ValueError, match="got True"):
+        devices(True)
 
 
 def test_device_choice_says_to_handle_none_before_checking_the_count() -> None:

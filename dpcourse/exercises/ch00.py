@@ -190,7 +190,7 @@ def check_device_choice(devices: Callable[..., list[torch.device]]) -> None:
                 assert bool(printed.getvalue().strip()) == simulated, (
                     f"on a machine with {machine}, {call} " + ("simulates but printed nothing: "
                     "announce it" if simulated else "is no simulation but printed something"))
-            for bad in (0, -2, 2.5):
+            for bad in (0, -2, 2.5, True):
                 try:
                     devices(bad)
                 except ValueError:
@@ -200,8 +200,9 @@ def check_device_choice(devices: Callable[..., list[torch.device]]) -> None:
                         f"devices({bad!r}) raised {type(error).__name__} ({error}); it should "
                         "raise ValueError: after handling None, check that n is an int >= 1"
                     ) from None
-                raise AssertionError(f"devices({bad!r}) did not raise a ValueError: n must be "
-                                     "a whole number >= 1")
+                raise AssertionError(f"devices({bad!r}) did not raise a ValueError: " + (
+                    "a bool is an int in Python (True == 1): refuse it before the int check"
+                    if isinstance(bad, bool) else "n must be a whole number >= 1"))
     print("devices is right: real, round-robin or CPU devices on three machines, announced "
           "when simulated, and a clear error for a bad count")
 
