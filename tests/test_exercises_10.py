@@ -49,6 +49,19 @@ def test_the_flat_checks_say_what_is_wrong(check, wrong, reason):
         check(wrong)
 
 
+def padded_in_front(flat, rank, world):
+    return F.pad(flat, (padded_numel(flat.numel(), world) - flat.numel(), 0)).chunk(world)[
+        rank].clone()
+
+
+def test_the_flat_shard_check_says_the_zeros_go_at_the_end():
+    """Before, only "differs from torch.chunk of the zero-padded vector"."""
+    with pytest.raises(AssertionError, match=r"^flat_shard\(flat, 0, 2\) with flat\.numel\(\) "
+                                             r"== \d+ has the padding's zeros at the front: they "
+                                             r"go at the end"):
+        check_flat_shard(padded_in_front)
+
+
 def unpadded_chunk(flat, rank, world):
     return flat.chunk(world)[rank].clone()
 

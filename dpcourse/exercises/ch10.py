@@ -55,6 +55,10 @@ def check_flat_shard(shard: Callable[[torch.Tensor, int, int], torch.Tensor]) ->
                     f"{tuple(want.shape)}: every shard has ceil(numel / world) numbers (pad "
                     "with zeros first)")
                 assert got.dtype == flat.dtype, f"the shard is {got.dtype}: keep flat's dtype"
+                front = torch.cat([flat.new_zeros(-numel % world), flat]).chunk(world)[rank]
+                assert torch.equal(got, want) or not torch.equal(got, front), (
+                    f"{where} has the padding's zeros at the front: they go at the end, after "
+                    "flat's numbers (F.pad(flat, (0, pad)))")
                 assert torch.equal(got, want), (
                     f"{where} differs from torch.chunk of the zero-padded vector: rank r "
                     "takes the r-th equal piece")
