@@ -224,6 +224,25 @@ def test_each_part_check_passes_the_package_and_stops_at_a_stub(tmp_path, part):
         on_ranks(check, stub, name, world_size=world)
 
 
+INTO_CLONES = """import torch.distributed as dist
+
+
+def broadcast_parameters(module):
+    for t in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(t.detach().clone(), src=0)
+"""
+
+
+def test_broadcast_check_names_a_broadcast_into_a_copy(tmp_path):
+    """The cause, not only the symptom ("not rank 0's")."""
+    slip = tmp_path / "slip.py"
+    slip.write_text(INTO_CLONES)
+    with pytest.raises(AssertionError, match=r"^rank 1: layer\.weight is not rank 0's after "
+                                             r"broadcast_parameters: broadcast writes rank 0's "
+                                             r"values in place into the tensor it is given"):
+        on_ranks(check_broadcast, slip, "broadcast_parameters", world_size=2)
+
+
 def test_ring_check_refuses_a_collective(tmp_path):
     cheat = tmp_path / "cheat.py"
     cheat.write_text("import torch.distributed as dist\n\n\ndef plain_ring_allreduce(t):\n"

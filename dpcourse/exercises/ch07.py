@@ -318,14 +318,24 @@ def check_broadcast(broadcast_parameters: Callable[[nn.Module], None]) -> str:
     buffers, as torch's DistributedDataParallel does at construction."""
     rank = dist.get_rank()
     model = _WithBuffer(seed=rank)
-    broadcast_parameters(model)
+    given, broadcast = set(), dist.broadcast  # the storage of every tensor broadcast into
+    dist.broadcast = lambda t, *a, **k: given.add(t.untyped_storage().data_ptr()) or broadcast(
+        t, *a, **k)
+    try:
+        broadcast_parameters(model)
+    finally:
+        dist.broadcast = broadcast
     rank_0 = _WithBuffer(seed=0)
     for (name, got), want in zip(model.state_dict().items(), rank_0.state_dict().values()):
         if name.endswith("num_batches_tracked"):
             continue
+        into_a_copy = given and got.untyped_storage().data_ptr() not in given
         assert torch.equal(got, want), (
-            f"{name} is not rank 0's after broadcast_parameters"
-            + (": broadcast the buffers too (module.buffers())" if "running" in name else ""))
+            f"{name} is not rank 0's after broadcast_parameters" + (
+                ": broadcast writes rank 0's values in place into the tensor it is given, and "
+                "it was given a copy (.clone() or .to()): give it the parameter itself"
+                if into_a_copy else
+                ": broadcast the buffers too (module.buffers())" if "running" in name else ""))
     torch_ddp = nn.parallel.DistributedDataParallel(_WithBuffer(seed=rank))
     assert all(torch.equal(a, b) for a, b in zip(torch_ddp.module.state_dict().values(),
                                                  model.state_dict().values())), (
