@@ -1,10 +1,15 @@
 """`course.py student`: nbgrader clears every marked region, and a student's edits are kept."""
+import subprocess
+import sys
+from pathlib import Path
+
 import nbformat
 import pytest
 
 from student_runs import CHAPTERS, is_solution, student
 
 STUB = "raise NotImplementedError()"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.stem)
@@ -66,3 +71,14 @@ def test_a_later_cell_that_uses_a_students_stub_is_named():
             cell("from dpcourse.hardware import devices\nprint(devices(2))"),
             cell("print(devices(3))")]
     assert stubs_used(code) == [(3, "devices")]
+
+
+def test_the_tool_has_a_help_and_names_a_missing_notebook():
+    """--help was read as a notebook's path (nbformat's AttributeError)."""
+    tool = [sys.executable, str(ROOT / "tools" / "student.py")]
+    helped = subprocess.run([*tool, "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python3 course.py "
+                                                               "student [-h] [NOTEBOOK ...]")
+    missing = subprocess.run([*tool, "no-such.ipynb"], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 2 and "no such notebook: " in missing.stderr

@@ -4,6 +4,7 @@ nbgrader's own preprocessors clear every region between `### BEGIN SOLUTION` and
 `### END SOLUTION` (cells marked as solution cells in their nbgrader metadata) and every output.
 A student notebook whose code was edited since it was written is never overwritten.
 """
+import argparse
 import hashlib
 import json
 import sys
@@ -62,6 +63,20 @@ def write_all(chapters: list, out: Path = OUT) -> int:
     return kept
 
 
-if __name__ == "__main__":
-    named = [Path(a).resolve() for a in sys.argv[1:]]
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python3 course.py student", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"Writes into {OUT.relative_to(ROOT)}/; `python3 course.py lab --student` "
+               "writes them, then opens JupyterLab there.")
+    parser.add_argument("notebooks", nargs="*", type=Path, metavar="NOTEBOOK",
+                        help="chapters to write (default: every notebooks/NN_*.ipynb)")
+    named = [path.resolve() for path in parser.parse_args(argv).notebooks]
+    missing = [str(path) for path in named if not path.is_file()]
+    if missing:
+        parser.error(f"no such notebook: {', '.join(missing)}")
     write_all(named or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
