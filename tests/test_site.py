@@ -124,6 +124,19 @@ def test_page_is_offline_error_free_linked_and_fits_1280_px(site: Path, chromium
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.stem[:2])
+def test_every_link_of_a_slide_deck_resolves_in_the_site(site: Path, chromium,  # noqa: F811
+                                                         chapter: Path) -> None:
+    """The decks linked ../docs/gpu-runs.md, which the site holds as docs/gpu-runs.html.
+    (Links within a deck are reveal.js's: its slides are not elements with those ids.)"""
+    deck = (site / "slides" / f"{chapter.stem}.html").as_uri()
+    opened = Page(chromium, deck)
+    problems = [p for url in opened.page.evaluate(LINKS) if url.split("#")[0] != deck
+                for p in link_problems(url, site.as_uri() + "/")]
+    opened.page.close()
+    assert not problems, "\n".join(problems)
+
+
 def test_a_broken_page_is_caught(site: Path, chromium, tmp_path: Path) -> None:  # noqa: F811
     broken = tmp_path / "site"
     shutil.copytree(site, broken)

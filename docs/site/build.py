@@ -8,6 +8,7 @@ are written next to the pages, so that they download from the site itself.
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import sys
 import time
@@ -103,12 +104,16 @@ def write_downloads(out: Path, repository: str) -> None:
 
 
 def write_slides(out: Path) -> None:
-    """Every chapter's offline deck under out/slides/, as `course.py slides` builds them."""
+    """Every chapter's offline deck under out/slides/, as `course.py slides` builds them, its
+    links to ../docs/NAME.md (the chapters' own) led to the site's page of that file."""
     from nbconvert.nbconvertapp import NbConvertApp
 
     app = NbConvertApp()
     app.initialize(course.slides_args([], out / "slides")[2:])
     app.start()
+    for deck in (out / "slides").glob("*.html"):
+        html = deck.read_text()
+        deck.write_text(re.sub(r'href="\.\./docs/([^"#]+)\.md', r'href="../docs/\1.html', html))
 
 
 def write_pages(sources: Path, out: Path, jobs: int = 2) -> None:
