@@ -89,8 +89,19 @@ def test_replica_aliases_leaves_tensor_to_as_it_was(capsys) -> None:
 
 # ---- chapter 01 ----
 
-def test_ring_bytes_accepts_seven_quarters_of_the_gradients_bytes(capsys) -> None:
-    assert said(capsys, ch01.check_ring_bytes, 2 * 7 / 8 * RESNET_PARAMETERS * 4) == "correct\n"
+STAGES_3_ON = 2100480 + 8395264 + 5130  # resnet_block3, resnet_block4, fc: counted by hand
+
+
+@pytest.mark.parametrize("answer, said_first", [
+    ((RESNET_PARAMETERS * 16, STAGES_3_ON * 16), "correct: the cut balances the arithmetic"),
+    ((RESNET_PARAMETERS * 4, STAGES_3_ON * 4), "not quite: that counts the weights only"),
+    ((RESNET_PARAMETERS * 16, RESNET_PARAMETERS * 8), "not quite: that assumes the cut halves"),
+    ((RESNET_PARAMETERS * 16, (RESNET_PARAMETERS - STAGES_3_ON) * 16),
+     "not quite: that is the device with fewer parameters"),
+    (RESNET_PARAMETERS * 16, "not quite: give a pair of numbers")])
+def test_model_state_counts_adams_16_bytes_on_the_fuller_device(capsys, answer,
+                                                                said_first) -> None:
+    assert said(capsys, ch01.check_model_state, answer).startswith(said_first)
 
 
 def test_break_even_accepts_the_first_batch_past_the_allreduce(capsys) -> None:

@@ -66,20 +66,44 @@ def resnet_gathered_elements() -> int:
     return sum(t.numel() for t in inputs.values() if t is not image)
 
 
-def check_ring_bytes(answer: float | None) -> None:
-    """Says whether answer is the bytes each of 8 devices sends to ring-allreduce ResNet-18."""
-    if not (_answered(answer) and _valid(answer)):
+ADAM_FP32 = 16  # bytes of model state per parameter: weight, gradient, Adam's two moments
+
+
+def resnet_parameters_after_stage2() -> int:
+    """The parameters of ResNet-18 after the cut at the end of its second stage (net[5:])."""
+    return sum(p.numel() for p in resnet18()[5:].parameters())
+
+
+def check_model_state(answer: tuple[float, float] | None) -> None:
+    """Says whether answer is (data parallelism's, network partitioning's) bytes of model
+    state on the fuller of 2 devices, ResNet-18 with Adam in float32, cut after stage 2."""
+    if not _answered(answer):
         return
-    truth = _ring_bytes(8, resnet_parameters())
-    if _close(answer, truth):
-        print("correct")
-    elif _close(answer, truth / FP32):
-        print("not quite: that counts elements; each float32 gradient is 4 bytes")
-    elif _close(answer, truth * 8 / 7 / 2):
-        print("not quite: that is the gradients' size; the ring sends 2(k-1)/k of it")
-    else:
-        print(f"not quite: you are off by a factor of {answer / truth:.3g}; "
-              "use 2(k-1)/k x parameters x 4 bytes")
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 2
+            and all(_is_number(a) for a in answer)):
+        return print(f"not quite: give a pair of numbers (data parallelism, network "
+                     f"partitioning), not {answer!r:.60}")
+    total, after = resnet_parameters(), resnet_parameters_after_stage2()
+    replicated, partitioned = total * ADAM_FP32, max(after, total - after) * ADAM_FP32
+    data_parallel, cut = answer
+    if _close(data_parallel, total * FP32) or _close(cut, max(after, total - after) * FP32):
+        return print("not quite: that counts the weights only; with Adam each parameter also "
+                     "has a gradient and two moments: 16 bytes in float32")
+    if not _close(data_parallel, replicated):
+        return print(f"not quite: data parallelism is off by a factor of "
+                     f"{data_parallel / replicated:.3g}: every device holds a whole replica")
+    if _close(cut, replicated / 2):
+        return print("not quite: that assumes the cut halves the parameters; count each side's "
+                     "(net[:5] and net[5:])")
+    if _close(cut, (total - after) * ADAM_FP32):
+        return print("not quite: that is the device with fewer parameters; the fuller one "
+                     "decides whether the model fits")
+    if not _close(cut, partitioned):
+        return print(f"not quite: network partitioning is off by a factor of "
+                     f"{cut / partitioned:.3g}: count the parameters after the cut, net[5:]")
+    print(f"correct: the cut balances the arithmetic, not the parameters: the second device "
+          f"keeps {after / total:.0%} of them, so partitioning saves only "
+          f"{1 - partitioned / replicated:.0%} of the memory here")
 
 
 def check_break_even(answer: int | None) -> None:
