@@ -153,7 +153,7 @@ def check_lenet(lenet: Callable) -> None:
         if "cannot be multiplied" not in str(error):
             raise
         raise AssertionError(f"a dense layer got the wrong shape ({str(error).splitlines()[0]}): "
-                             "flatten each image, not the whole batch: X.reshape(len(X), -1)"
+                             "flatten each image, not the whole batch: h.reshape(h.shape[0], -1)"
                              ) from None
     net = nn.Sequential(nn.Conv2d(1, 20, 3), nn.ReLU(), nn.AvgPool2d(2), nn.Conv2d(20, 50, 5),
                         nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(800, 128),

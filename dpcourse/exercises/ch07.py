@@ -15,7 +15,7 @@ from ..ddp import make_buckets
 from ..experiments.rank_demos import TwoHeads
 from ..lenet import init_lenet_params, lenet_model
 from ..p2p import ring_chunks
-from . import answered, count, forbidden, is_int, is_number
+from . import answered, count, forbidden, is_int, is_number, recorded
 
 RING_CASES = [(n, world) for world in (1, 2, 3, 4, 5, 8) for n in (0, 1, 2, 3, 5, 7, 10, 11, 1001)]
 
@@ -318,13 +318,9 @@ def check_broadcast(broadcast_parameters: Callable[[nn.Module], None]) -> str:
     buffers, as torch's DistributedDataParallel does at construction."""
     rank = dist.get_rank()
     model = _WithBuffer(seed=rank)
-    given, broadcast = set(), dist.broadcast  # the storage of every tensor broadcast into
-    dist.broadcast = lambda t, *a, **k: given.add(t.untyped_storage().data_ptr()) or broadcast(
-        t, *a, **k)
-    try:
+    with recorded("broadcast") as handed:
         broadcast_parameters(model)
-    finally:
-        dist.broadcast = broadcast
+    given = {t.untyped_storage().data_ptr() for t in handed}  # the storage broadcast into
     rank_0 = _WithBuffer(seed=0)
     for (name, got), want in zip(model.state_dict().items(), rank_0.state_dict().values()):
         if name.endswith("num_batches_tracked"):

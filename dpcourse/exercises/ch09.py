@@ -16,7 +16,7 @@ from ..lenet import lenet_model
 from ..memory import STAGES, bytes_per_rank
 from ..zero import GradientSharding, ShardedOptimizer, partition
 from ..experiments.zero_demos import activation_bytes
-from . import answered, count, is_int, is_number
+from . import answered, count, is_int, is_number, recorded
 
 GPUS, GPU_BYTES = 8, 80 * 10**9
 MIXED = {"param_bytes": 2, "grad_bytes": 2, "state_bytes": 12}
@@ -244,14 +244,9 @@ def check_share_parameters(cls: type) -> str:
         for p, new in zip(params, stepped):
             if opt.owner(p) == rank:
                 p.copy_(new)
-    calls, broadcast = [], dist.broadcast  # calls: (dtype, elements) of each broadcast
-    dist.broadcast = lambda t, *a, **k: calls.append((t.dtype, t.numel())) or broadcast(t, *a,
-                                                                                      **k)
-    try:
-        with torch.no_grad():  # as in step
-            opt._share_parameters()
-    finally:
-        dist.broadcast = broadcast
+    with recorded("broadcast") as handed, torch.no_grad():  # no_grad: as in step
+        opt._share_parameters()
+    calls = [(t.dtype, t.numel()) for t in handed]
     for i, (p, new) in enumerate(zip(params, stepped)):
         owner = opt.owner(p)
         assert p.dtype == new.dtype, f"parameter {i} changed dtype: copy into it, same dtype"

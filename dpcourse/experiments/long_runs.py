@@ -63,7 +63,8 @@ def watched_run(folder: Path, steps: int, every: int, block: int = 1000) -> dict
         with Replicas(folder, [*FLAGS, "--steps", str(steps)],
                       address=f"127.0.0.1:{port}") as replicas:
             replicas.start_together(["r0", "r1", "r2"], replica_with_faults,
-                                    {"r0": ([],), "r1": (kill_at(next(kills)),), "r2": ([],)})
+                                    {"r0": ([],), "r1": (kill_at(next(kills, None)),),
+                                     "r2": ([],)})
             codes = replicas.supervise(
                 3600 + steps, restarts={"r1": steps // every},
                 start=lambda name: replicas.start(name, replica_with_faults,
