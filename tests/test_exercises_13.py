@@ -9,7 +9,7 @@ import torch.distributed as dist
 from dpcourse.elastic import rank_indices
 from dpcourse.exercises.ch13 import (check_committed_fraction, check_members_mean_gradient,
                                      check_quorum_members, check_recovery_plan,
-                                     check_samples_in_step, check_vote, shard)
+                                     check_torchft_shard, check_vote, shuffled)
 from dpcourse.lighthouse import quorum_members
 from dpcourse.quorum import vote
 from dpcourse.recovery import recovery_plan
@@ -157,28 +157,57 @@ def test_the_committed_fraction_is_checked_against_a_simulation(capsys):
     check_committed_fraction(lambda t, m: (2 * m - t) / (2 * m + t))
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "not answered yet" and out[1].startswith("correct: ")
+    assert "t = 20 s, M = 60 s: 0.7165" in out[1] and "would say 0.6667" in out[1]
     assert all(line.startswith("not quite") and "exp(-t / M)" in line for line in out[2:])
 
 
-def test_the_samples_in_a_torchft_step_are_checked_against_its_run(capsys):
-    names = ["r0", "r1", "r2"]
+def padded_shard(order, replica_rank, groups, group_rank=0, group_size=1):
+    world, rank = group_size * groups, group_rank + group_size * replica_rank
+    per = -(-len(order) // world)
+    return (order * world)[:per * world][rank::world]
 
-    def events_of(step, alive):
-        out = []
-        for i in alive:
-            samples = rank_indices(64, 32, 3, i, step, 0)
-            out += [{"event": "attempt", "name": names[i], "replica": names[i], "batch": step,
-                     "samples": samples},
-                    {"event": "decision", "name": names[i], "replica": names[i],
-                     "batch": step, "step": step, "decision": "commit"}]
-        return out
-    events = events_of(0, [0, 1, 2]) + events_of(1, [1, 2])
-    check_samples_in_step(lambda g, n, alive: sum(shard(g, n, i) for i in alive), events,
-                          names, 32)
-    check_samples_in_step(lambda g, n, alive: sum(shard(g, n, i) for i in alive))
-    check_samples_in_step(lambda g, n, alive: len(alive) * g // n)
+
+def test_torchft_s_shard_is_checked_against_torch_s_sampler_and_its_run(capsys):
+    order = shuffled(40, 0)
+    events = [{"event": "attempt", "name": name, "batch": k,
+               "samples": padded_shard(order, g, 2)[k % 4 * 5:k % 4 * 5 + 5]}
+              for g, name in enumerate(["r0", "r1"]) for k in range(6)]  # 4 batches an epoch
+    check_torchft_shard(padded_shard, events, ["r0", "r1"], 40, 5)
+    check_torchft_shard(padded_shard, [{**events[7], "batch": 3}], ["r0", "r1"], 40, 5)
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("correct: ") and "committed in the run (2)" in out[0]
-    assert out[1].startswith("correct: ") and "21 without group 1" in out[1]
-    assert out[2].startswith("not quite: G=32, 3 groups, groups [1, 2] alive")
-    assert [shard(32, 3, i) for i in range(3)] == [10, 11, 11]
+    assert out == ["correct: 7 cases against torch's DistributedSampler and all 12 batches "
+                   "torchft's groups trained in the run",
+                   f"not quite: r1's batch 3 in the run trained {events[7]['samples']}, your "
+                   f"shard gives {padded_shard(order, 1, 2)[15:20]}"]
+
+
+def contiguous(order, replica_rank, groups, group_rank=0, group_size=1):
+    world, rank = group_size * groups, group_rank + group_size * replica_rank
+    per = -(-len(order) // world)
+    return (order * world)[:per * world][rank * per:(rank + 1) * per]
+
+
+def interleaved(order, replica_rank, groups, group_rank=0, group_size=1):
+    return padded_shard(order, 0, group_size * groups, replica_rank + groups * group_rank)
+
+
+def unpadded(order, replica_rank, groups, group_rank=0, group_size=1):
+    return order[group_rank + group_size * replica_rank::group_size * groups]
+
+
+def groups_only(order, replica_rank, groups, group_rank=0, group_size=1):
+    return padded_shard(order, replica_rank, groups)
+
+
+def sorted_shard(order, replica_rank, groups, group_rank=0, group_size=1):
+    return sorted(padded_shard(order, replica_rank, groups, group_rank, group_size))
+
+
+@pytest.mark.parametrize("attempt,missed", [
+    (unpadded, "padded with its own first indices"), (contiguous, "a contiguous block"),
+    (interleaved, "the ranks interleave the groups"), (groups_only, "the world is every rank"),
+    (sorted_shard, "torch's DistributedSampler over group_size * num_replica_groups ranks")])
+def test_a_wrong_shard_gets_what_it_missed(attempt, missed, capsys):
+    check_torchft_shard(attempt)
+    out = capsys.readouterr().out
+    assert out.startswith("not quite: ") and missed in out and out.count("\n") == 1

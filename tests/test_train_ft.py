@@ -30,6 +30,7 @@ import time
 from collections import defaultdict
 from multiprocessing import resource_tracker
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import pytest
@@ -80,15 +81,17 @@ def schedules(draw) -> dict:
     return {"replicas": replicas, "failures": failures}
 
 
-def run_schedule(folder: Path, schedule: dict) -> tuple[dict, list[dict], float]:
-    """Run it: the exit codes by name, every event logged, the seconds it took."""
+def run_schedule(folder: Path, schedule: dict,
+                 report: Callable[[str], None] = note) -> tuple[dict, list[dict], float]:
+    """Run it: the exit codes by name, every event logged, the seconds it took; the
+    replicas' outputs reported (to hypothesis, by default)."""
     names = [f"r{i}" for i in range(schedule["replicas"])]
     faults = {name: [f for f in schedule["failures"] if f["replica"] == i]
               for i, name in enumerate(names)}
     started = time.monotonic()
     with Replicas(folder, flags(folder), RULES) as replicas:
         codes = replicas.run(faults, BOUND_S)
-        note(replicas.outputs())
+        report(replicas.outputs())
         processes = {n: [p.pid for p in replicas.procs[n]] for n in names}
     running = [pid for pids in processes.values() for pid in pids if psutil.pid_exists(pid)
                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
@@ -188,6 +191,25 @@ def test_replicas_keep_every_sample_and_end_as_one_process_whatever_fails(schedu
           f"{sum(e['event'] == 'heal' for e in events)} recovery(ies), exit codes "
           f"{run['codes']}, {seconds:.1f} s, gap {gap:.1e}")
     assert gap <= CLOSE, f"the parameters end {gap:.1e} from one uninterrupted process"
+
+
+def test_a_live_member_descheduled_past_the_heartbeat_timeout_is_left_out_and_heals_back(
+        tmp_path):
+    """A loaded machine: r0, about to ask for its quorum, gets no CPU (a stop stands in)
+    until the others have committed 3 steps. The lighthouse leaves it out (its join timeout,
+    then its heartbeat timeout); once r0 runs again it is behind and heals from a member, in
+    its first process; every step is still committed once, with the whole global batch."""
+    schedule = {"replicas": 3, "failures": [{"replica": 0, "step": 8, "phase": "quorum",
+                                             "how": "stop", "resume_after": 3}]}
+    run, events, _ = run_schedule(tmp_path, schedule, report=print)  # shown if it fails
+    assert run["codes"] == {"r0": 0, "r1": 0, "r2": 0}
+    assert len(run["processes"]["r0"]) == 1, "r0 was started again"
+    left_out = [e for e in events if e["event"] == "attempt" and e["name"] != "r0"
+                and len(e["samples"]) == G // 2]
+    assert left_out, "no quorum formed without r0"
+    assert any(e["event"] == "heal" and e["name"] == "r0" for e in events), "r0 never healed"
+    assert_every_sample_kept(events, schedule)
+    assert_members_agree_after_every_commit(events)
 
 
 # --- timeouts, the lighthouse lost, torchrun ---

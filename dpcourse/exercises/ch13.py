@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections import defaultdict
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
 
 from ..data import fashion_mnist
 from ..elastic import rank_indices
@@ -258,54 +258,77 @@ def check_committed_fraction(committed_fraction: Callable[[float, float], float]
                   "random, M apart on average, that has probability exp(-t / M) (1 - t / M is "
                   "its first order only)")
             return
-    print(f"correct: t = 1 s, M = 60 s: {math.exp(-1 / 60):.4f} of the attempts commit "
-          f"(simulated: {simulated_fraction(1.0, 60.0):.4f})")
+    separated = 20.0, 60.0  # where the first order, 1 - t / M, is off by 0.05
+    print(f"correct: t = 20 s, M = 60 s: {math.exp(-1 / 3):.4f} of the attempts commit "
+          f"(simulated: {simulated_fraction(*separated):.4f}; the first order 1 - t / M "
+          f"would say {1 - 1 / 3:.4f})")
 
 
-def shard(global_batch: int, groups: int, group: int) -> int:
-    """The samples group takes of a global batch among groups (floor(iG/n) up to
-    floor((i+1)G/n))."""
-    return (group + 1) * global_batch // groups - group * global_batch // groups
+SHARD_CASES = [(10, 0, 2, 0, 1), (10, 1, 2, 0, 1), (11, 2, 3, 0, 1), (5, 3, 4, 0, 1),
+               (7, 1, 2, 1, 2), (13, 1, 3, 1, 2), (12, 0, 2, 2, 3)]
+# (dataset size, replica_rank, num_replica_groups, group_rank, group_size)
 
 
-STEP_CASES = [(32, 3, [0, 1, 2]), (32, 3, [0, 2]), (32, 3, [1, 2]), (32, 3, [1]),
-              (64, 2, [1]), (30, 7, [0, 3, 6])]  # (G, groups, alive)
+def shuffled(size: int, seed: int = 0) -> list[int]:
+    """The order torch's DistributedSampler shuffles range(size) into, at epoch 0."""
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def check_samples_in_step(samples_in_step: Callable[[int, int, list[int]], int] | None,
-                          events: list[dict] | None = None, names: list[str] | None = None,
-                          global_batch: int = 32) -> None:
-    """Exercise 2: the samples a torchft step trains with some replica groups gone; with a
-    torchft run's events (and its replicas' names), against every step it committed."""
-    if not answered(samples_in_step):
+def torch_shard(order: list[int], rank: int, world: int) -> list[int]:
+    """Rank's indices of order as torch's DistributedSampler (not shuffling again) takes them."""
+    return [order[i] for i in DistributedSampler(range(len(order)), num_replicas=world,
+                                                 rank=rank, shuffle=False)]
+
+
+def shard_mistake(got: Any, order: list[int], case: tuple) -> str:
+    """What a wrong shard most likely missed."""
+    _, replica_rank, groups, group_rank, group_size = case
+    world, rank = group_size * groups, group_rank + group_size * replica_rank
+    per = -(-len(order) // world)
+    padded = (order * world)[:per * world]
+    if got == padded[rank * per:(rank + 1) * per]:
+        return ("a contiguous block: torch's sampler deals the order round-robin, every "
+                "world-th index from the rank's own")
+    if got == torch_shard(order, replica_rank + groups * group_rank, world):
+        return ("the ranks interleave the groups: rank = group_rank + group_size * "
+                "replica_rank, so the ranks of one group are consecutive")
+    if got == torch_shard(order, replica_rank, groups):
+        return ("the world is every rank of every group, group_size * num_replica_groups "
+                "(torchft's num_replicas is the size of one group)")
+    if got == order[rank::world]:
+        return ("the order is padded with its own first indices to a multiple of the world "
+                "(drop_last=False), so that every rank takes as many")
+    return ("torch's DistributedSampler over group_size * num_replica_groups ranks, rank "
+            "group_rank + group_size * replica_rank")
+
+
+def check_torchft_shard(torchft_shard: Callable[..., list[int]] | None,
+                        events: list[dict] | None = None, names: list[str] | None = None,
+                        train_size: int = 0, batch_size: int = 0, seed: int = 0) -> None:
+    """Exercise 2: the indices a rank of a replica group takes under torchft's
+    DistributedSampler, against torch's sampler; with a torchft run's events, against every
+    batch its groups (one rank each) trained, in order, from their loaders' start."""
+    if not answered(torchft_shard):
         return
-    hint = ("group i keeps its shard, positions floor(iG/n) up to floor((i+1)G/n) of each "
-            "global batch; the others' shards are skipped")
-    for g, n, alive in STEP_CASES:
-        want, got = sum(shard(g, n, i) for i in alive), samples_in_step(g, n, list(alive))
+    for case in SHARD_CASES:
+        size, replica_rank, groups, group_rank, group_size = case
+        order = shuffled(size, sum(case))
+        want = torch_shard(order, group_rank + group_size * replica_rank, group_size * groups)
+        got = torchft_shard(list(order), replica_rank, groups, group_rank, group_size)
         if got != want:
-            print(f"not quite: G={g}, {n} groups, groups {alive} alive: {got!r}, want {want}: "
-                  f"{hint}")
+            print(f"not quite: {size} samples, replica_rank={replica_rank} of "
+                  f"{groups} groups, group_rank={group_rank} of {group_size}: {got!r}, want "
+                  f"{want}: {shard_mistake(got, order, case)}")
             return
-    steps = _committed_steps(events or [], names or [])
-    for step, (alive, trained) in steps.items():
-        got = samples_in_step(global_batch, len(names), alive)
-        if got != trained:
-            print(f"not quite: step {step} of the run, groups {alive} alive, trained {trained} "
-                  f"samples, you say {got!r}: {hint}")
+    attempts = [e for e in events or [] if e["event"] == "attempt"]
+    for e in attempts:
+        shard = torchft_shard(shuffled(train_size, seed), names.index(e["name"]), len(names),
+                              0, 1)
+        batches = [shard[i:i + batch_size] for i in range(0, len(shard), batch_size)]
+        if e["samples"] != batches[e["batch"] % len(batches)]:
+            print(f"not quite: {e['name']}'s batch {e['batch']} in the run trained "
+                  f"{e['samples']}, your shard gives {batches[e['batch'] % len(batches)]}")
             return
-    run = f" and every step torchft committed in the run ({len(steps)})" if steps else ""
-    print(f"correct: {len(STEP_CASES)} cases{run}; G=32 on 3 groups: 32 samples a step, "
-          f"{samples_in_step(32, 3, [0, 2])} without group 1")
-
-
-def _committed_steps(events: list[dict], names: list[str]) -> dict[int, tuple[list[int], int]]:
-    """Per step committed in a torchft run: the groups that took part, and the samples they
-    trained."""
-    attempts = {(e["replica"], e["batch"]): e for e in events if e["event"] == "attempt"}
-    steps = defaultdict(list)
-    for e in events:
-        if e.get("decision") == "commit":
-            steps[e["step"]].append(attempts[e["replica"], e["batch"]])
-    return {step: (sorted(names.index(a["name"]) for a in tried),
-                   sum(len(a["samples"]) for a in tried)) for step, tried in steps.items()}
+    run = f" and all {len(attempts)} batches torchft's groups trained in the run" \
+        if attempts else ""
+    print(f"correct: {len(SHARD_CASES)} cases against torch's DistributedSampler{run}")

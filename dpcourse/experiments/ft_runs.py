@@ -341,6 +341,16 @@ def audit(events: list[dict[str, Any]]) -> dict[str, Any]:
             "final states": len({e["digest"] for e in events if e["event"] == "end"})}
 
 
+def why_healed(signals: list[tuple[float, str, str]], name: str, until: float) -> str:
+    """What the harness (its signals) had done to replica name before a recovery at until."""
+    seen = [what for t, n, what in signals if n == name and t < until]
+    if seen[-1] == "SIGCONT":
+        return "a zombie, continued after its stop"
+    if seen.count("started") > 1:
+        return "a new process, started after its kill"
+    return "live all along, but left out of a quorum"
+
+
 def replay(flags: Sequence[str], members: dict[int, int]) -> dict[str, torch.Tensor]:
     """train_ft's run (its flags) replayed in this process on one thread, as the replicas
     train: step s cut among members[s] members (train_ft.members_mean_gradient), the sums

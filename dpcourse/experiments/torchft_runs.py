@@ -1,19 +1,20 @@
 """Chapter 13: the same runs under torchft 0.2.0 (meta-pytorch/torchft), for comparison.
 
-Each torchft replica trains LeNet on the same data with train_ft's flags, in torchft's own
-loop (its ``train_ddp.py``): ``Manager`` (its lighthouse, a process group, live recovery),
-the gradients averaged over the participants of the step with ``Manager.allreduce``, and the
-optimizer stepped only if ``should_commit()``. (Its ``DistributedDataParallel`` cannot be
-used here: in 0.2.0, on gloo, a peer lost during the allreduce fails its comm hook with an
-AssertionError, as ``_ManagedWork.wait`` returns before it sets up the future the hook
-returns; so each gradient goes through ``Manager.allreduce``, as its
-``PureDistributedDataParallel`` does, in one flat tensor.) Its data follow torchft's
-``DistributedSampler``: replica i of n fixed replica groups takes shard i of each global batch,
-and its loader moves on after every step, committed or not (a restarted replica starts at the
-step it healed to). So a step in flight when a replica fails, and the dead replica's shard
-until it is back, are skipped: torchft's ``data.py`` calls its sampler "inherently lossy".
-Where torchft cannot be installed (it has wheels for Linux x86_64, Python 3.10-3.13),
-``available()`` says why and the comparisons are skipped.
+Each torchft replica group is one process that trains LeNet on the same data with train_ft's
+flags, in torchft's own loop and data path (its repository's ``train_ddp.py``): ``Manager``
+(its lighthouse, a process group, live recovery), the gradients averaged over the
+participants of the step with ``Manager.allreduce``, the optimizer stepped only if
+``should_commit()``; its ``DistributedSampler`` (group i of n fixed groups takes every n-th
+index of the shuffled data), batched per group (G // n samples here: torchft has no global
+batch). Its loader moves on after every step, committed or not, and a restarted group's
+loader starts again at its shard's first batch (``train_ddp.py`` keeps no loader state;
+torchft issue #58). (Its ``DistributedDataParallel`` cannot be used here: in 0.2.0, on gloo,
+a peer lost during the allreduce fails its comm hook with an AssertionError, as
+``_ManagedWork.wait`` returns before it sets up the future the hook returns; so each gradient
+goes through ``Manager.allreduce``, as its ``PureDistributedDataParallel`` does, in one flat
+tensor.) The lighthouse runs as its users run it, the ``torchft_lighthouse`` command, and its
+log says why each quorum formed. Where torchft cannot be installed (it has wheels for Linux
+x86_64, Python 3.10-3.13), ``available()`` says why and the comparisons are skipped.
 """
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
 import traceback
 import uuid
-from datetime import timedelta
+from collections import Counter
+from datetime import datetime, timedelta
 from math import nan
 from pathlib import Path
 from typing import Any, Sequence
@@ -35,6 +38,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 from .. import train_ft
@@ -43,8 +47,8 @@ from ..elastic import rank_indices
 from ..launch import exit_without_shutdown
 from ..lenet import lenet_model
 from ..lighthouse import Rules
-from .ft_runs import (EXACT, Replicas, flag, memberships, one_process_run, replay,
-                      rounding_gaps, run_replica)
+from .ft_runs import (EXACT, Replicas, memberships, one_process_run, replay,
+                      replica_with_faults, rounding_gaps)
 
 
 def available() -> tuple[bool, str]:
@@ -56,26 +60,57 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-class TorchftLighthouse:
-    """torchft's lighthouse (Rust, gRPC) in this process, with heartbeat_timeout as ours."""
+LIGHTHOUSE = ("import sys; from torchft._torchft import lighthouse_main; "
+              "sys.argv[0] = 'torchft_lighthouse'; sys.exit(lighthouse_main())")
 
-    def __init__(self, heartbeat_timeout: float = 1.0, join_timeout: float = 0.5,
-                 min_replicas: int = 1) -> None:
-        os.environ.setdefault("RUST_LOG", "warn")  # read once, when torchft is imported
-        from torchft._torchft import LighthouseServer
-        self.server = LighthouseServer(
-            bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=int(join_timeout * 1e3),
-            quorum_tick_ms=100, heartbeat_timeout_ms=int(heartbeat_timeout * 1e3))
-        self.address = self.server.address()
+
+class TorchftLighthouse:
+    """torchft's lighthouse as its users run it, the torchft_lighthouse command, with rules as
+    ours; it logs (RUST_LOG=info) to folder/torchft_lighthouse.log why each quorum formed."""
+
+    def __init__(self, folder: Path, rules: Rules = Rules(), timeout: float = 60) -> None:
+        command = Path(sys.executable).with_name("torchft_lighthouse")
+        self.log = folder / "torchft_lighthouse.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [*([str(command)] if command.exists() else [sys.executable, "-c", LIGHTHOUSE]),
+                 "--bind", "[::]:0", "--min_replicas", str(rules.min_replicas),
+                 "--join_timeout_ms", str(int(rules.join_timeout * 1e3)), "--quorum_tick_ms",
+                 "100", "--heartbeat_timeout_ms", str(int(rules.heartbeat_timeout * 1e3))],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "RUST_LOG": "info"})
+        deadline = time.monotonic() + timeout
+        while "listening on: " not in (text := self.log.read_text(errors="replace")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"torchft_lighthouse did not start in {timeout:g} s "
+                                   f"(exit code {self.proc.poll()}): {text[-2000:]}")
+            time.sleep(0.05)
+        self.address = text.split("listening on: ", 1)[1].split()[0]
+
+    def statuses(self) -> list[tuple[float, str]]:
+        """(time, why) of each change of its quorum status, as it logged them."""
+        found = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if " - Quorum status: " in line:
+                stamp, why = line.split(" ", 1)[0], line.split(" - Quorum status: ", 1)[1]
+                found.append((datetime.fromisoformat(stamp).timestamp(), why))
+        return found
 
     def close(self) -> None:
-        self.server.shutdown()
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def torchft_replica(argv: list[str], environ: dict[str, str], out: str, together: Any,
-                    groups: int, index: int) -> None:
-    """A forked torchft replica (replica group `index` of `groups`), train_ft's flags in argv
-    (--lighthouse: torchft's), its events logged as train_ft's; an exit code at the end."""
+                    groups: int, index: int, tear_at: int | None = None) -> None:
+    """A forked torchft replica group (group `index` of `groups`, one process), train_ft's
+    flags in argv (--lighthouse: torchft's), its events logged as train_ft's; an exit code at
+    the end."""
     os.environ.clear()
     os.environ.update(environ, RUST_LOG="warn")  # torchft logs each quorum at "info"
     torch.set_num_threads(1)
@@ -85,18 +120,44 @@ def torchft_replica(argv: list[str], environ: dict[str, str], out: str, together
         os.dup2(f.fileno(), 2)
     code = 0
     try:
-        train_with_torchft(train_ft.parse_args(argv), groups, index, together)
+        train_with_torchft(train_ft.parse_args(argv), groups, index, together, tear_at)
     except BaseException:  # noqa: BLE001 - reported in its output, then a non-zero exit
         traceback.print_exc()
         code = 1
     exit_without_shutdown(code)
 
 
-def train_with_torchft(args: Any, groups: int, index: int, together: Any = None) -> None:
-    """torchft's training loop, as its train_ddp.py, over train_ft's global batches."""
+def torchft_loader(dataset: Any, groups: int, index: int, batch_size: int,
+                   seed: int) -> DataLoader:
+    """torchft's data path, as its train_ddp.py: its DistributedSampler for replica group index
+    of groups (a group of one rank), shuffled, batched per group."""
+    from torchft import DistributedSampler
+    sampler = DistributedSampler(dataset, replica_rank=index, num_replica_groups=groups,
+                                 group_rank=0, num_replicas=1, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def dealt_batches(size: int, groups: int, index: int, batch_size: int, seed: int,
+                  count: int) -> list[list[int]]:
+    """The sample indices of the first count batches group index's loader deals, epoch after
+    epoch (each in the same order: train_ddp.py never calls set_epoch)."""
+    loader, batches = torchft_loader(TensorDataset(torch.arange(size)), groups, index,
+                                     batch_size, seed), []
+    while len(batches) < count:
+        batches += [b.tolist() for (b,) in loader][:count - len(batches)]
+    return batches
+
+
+def train_with_torchft(args: Any, groups: int, index: int, together: Any = None,
+                       tear_at: int | None = None) -> None:
+    """torchft's training loop and data path, as its train_ddp.py, with train_ft's model and
+    flags; each group batches G // groups samples. At step tear_at, this group's allreduce
+    fails after the others' finished (a torn collective: Manager.report_error)."""
     from torchft import Manager, ProcessGroupGloo
     dtype = getattr(torch, args.dtype)
     images, labels = fashion_mnist("train", args.train_size, resolve_source(args.data)).tensors
+    data = TensorDataset(images.to(dtype), labels, torch.arange(len(labels)))
+    loader = torchft_loader(data, groups, index, args.global_batch_size // groups, args.seed)
     model = lenet_model(args.seed).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -112,61 +173,100 @@ def train_with_torchft(args: Any, groups: int, index: int, together: Any = None)
     log("start", step=0, qid=0, checkpoint=False)
     if together is not None:
         together.wait(60)
-    position = None  # the loader's: set at the first step to the step healed to
+    batch = 0  # this process's loader starts at its shard's first batch, restarted or not
     while manager.current_step() < args.steps:
-        manager.start_quorum()
-        opt.zero_grad(set_to_none=True)
-        if position is None:
-            manager.wait_quorum()
-            position = manager.current_step()
-        samples = rank_indices(len(images), args.global_batch_size, groups, index, position,
-                               args.seed)
-        log("attempt", qid=0, step=manager.current_step(), batch=position, samples=samples)
-        F.cross_entropy(model(images[samples].to(dtype)), labels[samples]).backward()
-        grads = [p.grad for p in model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        manager.allreduce(flat).wait()  # averaged over the participants; False on an error
-        for g, averaged in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(averaged.view_as(g))
-        for group in opt.param_groups:
-            group["lr"] = train_ft.learning_rate(args, manager.current_step())
-        commit = manager.should_commit()
-        log("decision", qid=0, step=manager.current_step() - commit, batch=position,
-            size=manager.num_participants(), decision="commit" if commit else "abort")
-        if commit:
-            opt.step()
-        position += 1  # torchft's loader moves on, committed or not
+        for inputs, targets, samples in loader:
+            if manager.current_step() >= args.steps:
+                break
+            manager.start_quorum()
+            opt.zero_grad(set_to_none=True)
+            log("attempt", qid=0, step=manager.current_step(), batch=batch,
+                samples=samples.tolist())
+            F.cross_entropy(model(inputs), targets).backward()
+            grads = [p.grad for p in model.parameters()]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            manager.allreduce(flat).wait()  # averaged over the participants
+            for g, averaged in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(averaged.view_as(g))
+            for group in opt.param_groups:
+                group["lr"] = train_ft.learning_rate(args, manager.current_step())
+            if manager.current_step() == tear_at:
+                tear_at = None
+                manager.report_error(RuntimeError("injected: the allreduce failed here alone"))
+            participating = manager.is_participating()  # False while it heals: sends zeros
+            commit = manager.should_commit()
+            log("decision", qid=manager._quorum_id,  # noqa: SLF001 - torchft has no getter
+                step=manager.current_step() - commit, batch=batch,
+                size=manager.num_participants(), participating=participating,
+                decision="commit" if commit else "abort")
+            if commit:
+                opt.step()
+            batch += 1  # torchft's loader moves on, committed or not
     log("end", step=manager.current_step(), qid=0, digest="")
     torch.save(model.state_dict(), f"{args.events}.pt")
     manager.shutdown(wait=False)
 
 
-def samples_skipped(events: list[dict[str, Any]], global_batch: int) -> int:
-    """Samples of the global batches the replicas went through that no committed step used
-    (an attempt's global batch: its "batch", torchft's loader position, else its step)."""
-    def key(e: dict) -> tuple:
-        return e["replica"], e["qid"], e["step"], e.get("batch", e["step"])
-    committed = {key(e) for e in events if e.get("decision") == "commit"}
-    attempts = [e for e in events if e["event"] == "attempt"]
-    used = {(e.get("batch", e["step"]), i) for e in attempts if key(e) in committed
-            for i in e["samples"]}
-    batches = {e.get("batch", e["step"]) for e in attempts}
-    return len(batches) * global_batch - len(used)
+def sample_use(trained: Counter, expected: Counter) -> dict[str, int]:
+    """Of the samples a run without failures trains (expected: each sample by its place in
+    the data), those no committed step trained ("skipped"), the trainings of a place already
+    trained ("repeated"), and every training by a committed step ("trained")."""
+    return {"trained": sum(trained.values()), "skipped": sum((expected - trained).values()),
+            "repeated": sum(n - 1 for n in trained.values() if n > 1)}
+
+
+def ours_sample_use(events: list[dict[str, Any]], args: Any) -> dict[str, int]:
+    """sample_use of a train_ft run: a sample's place is (step, index) in global batch step."""
+    committed = {(e["replica"], e["qid"], e["step"]) for e in events
+                 if e.get("decision") == "commit"}
+    trained = Counter((e["step"], i) for e in events if e["event"] == "attempt"
+                      and (e["replica"], e["qid"], e["step"]) in committed
+                      for i in e["samples"])
+    expected = Counter((s, i) for s in range(args.steps) for i in
+                       rank_indices(args.train_size, args.global_batch_size, 1, 0, s, args.seed))
+    return sample_use(trained, expected)
+
+
+def torchft_sample_use(events: list[dict[str, Any]], names: Sequence[str],
+                       args: Any) -> dict[str, int]:
+    """sample_use of a torchft run: a sample's place is (group, batch, index) in what its
+    loader deals. A group's batch is trained if the group took part in the allreduce (it was
+    not healing) of a step that some group committed: a torn step commits on some groups
+    only, with every participant's gradient."""
+    decided = {(e["replica"], e["batch"]): e for e in events if e["event"] == "decision"}
+    committed = {(e["qid"], e["step"]) for e in decided.values() if e["decision"] == "commit"}
+
+    def trained(attempt: dict) -> bool:
+        d = decided.get((attempt["replica"], attempt["batch"]))
+        return d is not None and d["participating"] and (d["qid"], d["step"]) in committed
+    used = Counter((e["name"], e["batch"], i) for e in events
+                   if e["event"] == "attempt" and trained(e) for i in e["samples"])
+    batch_size = args.global_batch_size // len(names)
+    expected = Counter((name, k, i) for g, name in enumerate(names) for k, batch in enumerate(
+        dealt_batches(args.train_size, len(names), g, batch_size, args.seed, args.steps))
+        for i in batch)
+    return sample_use(used, expected)
 
 
 def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
                 kill: tuple[str, int] | None = None, stop: tuple[str, int, float] | None = None,
-                command: bool = False, until_joined: bool = False) -> dict[str, Any]:
+                tear: tuple[str, int] | None = None, command: bool = False,
+                until_joined: bool = False) -> dict[str, Any]:
     """Replicas names (ours, or torchft's: replicas then has its lighthouse) train together.
     Once kill's replica starts its step, it is SIGKILLed, and started again (forked, or as a
     command: imports included) once another has committed without it; once stop's replica
-    starts its step, it is stopped (SIGSTOP) for its pause in seconds. Returns the seconds
-    from the kill to the next commit and from the restart to the first commit that replica
-    takes part in (torchft's first, healing, sends zeros); unless until_joined (then the
-    run is cut short there), the samples no commit used, the exit codes, every event, and
-    the final weights."""
+    starts its step, it is stopped (SIGSTOP) for its pause in seconds; at tear's step, its
+    replica's allreduce fails after the others' finished. Returns the seconds from the kill
+    to the next commit and from the restart to the first commit that replica takes part in
+    (torchft's first, healing, sends zeros); unless until_joined (then the run is cut short
+    there), the samples used (sample_use), the exit codes, every event, and the final
+    weights."""
     def target(name: str) -> tuple:
-        return (torchft_replica, len(names), names.index(name)) if torchft else (run_replica,)
+        torn = tear[1] if tear and tear[0] == name else None
+        if torchft:
+            return torchft_replica, len(names), names.index(name), torn
+        return replica_with_faults, [] if torn is None else [
+            {"phase": "allreduce", "step": torn, "how": "fail", "seconds": 0.5}]
     replicas.start_together(names, target(names[0])[0],
                             {name: target(name)[1:] for name in names})
     figures: dict[str, Any] = {}
@@ -203,12 +303,13 @@ def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
     codes = replicas.supervise(300)
     events = replicas.events()
     assert set(codes.values()) == {0}, replicas.outputs()
-    checkpoint = flag(replicas.flags, "--checkpoint", "")
-    final = torch.load(replicas.folder / "r0.jsonl.pt" if torchft else checkpoint,
+    args = train_ft.parse_args(["--lighthouse", "unused:0", *replicas.flags])
+    use = torchft_sample_use(events, names, args) if torchft else ours_sample_use(events, args)
+    final = torch.load(replicas.folder / "r0.jsonl.pt" if torchft else args.checkpoint,
                        weights_only=True)
-    global_batch = int(flag(replicas.flags, "--global-batch-size", "64"))
-    return {**figures, "samples_skipped": samples_skipped(events, global_batch),
-            "codes": codes, "events": events, "final": final if torchft else final["model"]}
+    return {**figures, "samples_skipped": use["skipped"], "samples_repeated": use["repeated"],
+            "samples_trained": use["trained"], "codes": codes, "events": events,
+            "final": final if torchft else final["model"]}
 
 
 def kill_and_restart(folder: Path, flags: list[str], torchft: bool, kill_at: int,
@@ -216,8 +317,7 @@ def kill_and_restart(folder: Path, flags: list[str], torchft: bool, kill_at: int
                      until_joined: bool = False) -> dict[str, Any]:
     """failure_run of two replicas, r1 killed at step kill_at and started again, under its
     own lighthouse (ours, or torchft's with the same rules)."""
-    lighthouse = TorchftLighthouse(rules.heartbeat_timeout, rules.join_timeout) \
-        if torchft else None
+    lighthouse = TorchftLighthouse(folder, rules) if torchft else None
     try:
         with Replicas(folder, flags, rules, address=lighthouse and lighthouse.address) as r:
             return failure_run(r, ["r0", "r1"], torchft, kill=("r1", kill_at),
@@ -225,6 +325,43 @@ def kill_and_restart(folder: Path, flags: list[str], torchft: bool, kill_at: int
     finally:
         if lighthouse:
             lighthouse.close()
+
+
+def side_by_side(folder: Path, flags: Sequence[str], rules: Rules, names: Sequence[str],
+                 **failures: Any) -> dict[str, dict[str, Any]]:
+    """failure_run of ours and, where it can run, of torchft, started alike: each under a
+    lighthouse of its own with rules, flags (a --checkpoint in its own folder) and failures.
+    Each run also holds the harness's signals and its lighthouse's log: (time, what)."""
+    runs = {}
+    for name in ("ours", "torchft") if available()[0] else ("ours",):
+        where = folder / name
+        where.mkdir(parents=True)
+        lighthouse = TorchftLighthouse(where, rules) if name == "torchft" else None
+        try:
+            with Replicas(where, [*flags, "--checkpoint", str(where / "ckpt.pt")], rules,
+                          address=lighthouse and lighthouse.address) as replicas:
+                runs[name] = failure_run(replicas, names, name == "torchft", **failures)
+                started = replicas.lighthouse and (  # ours: seconds since it started
+                    time.time() - time.monotonic() + replicas.lighthouse.start_time)
+                runs[name].update(signals=replicas.signals, lighthouse=lighthouse.statuses()
+                                  if lighthouse else [(started + t, what) for t, what in
+                                                      replicas.lighthouse.events])
+        finally:
+            if lighthouse:
+                lighthouse.close()
+    return runs
+
+
+def after_torn_step(events: list[dict[str, Any]], step: int) -> tuple[dict[str, str], list]:
+    """Each replica's first decision on step, and the replicas that healed after it (ours log
+    a heal; torchft's heal in a step they commit without taking part)."""
+    decided: dict[str, str] = {}
+    for e in events:
+        if e["event"] == "decision" and e["step"] == step:
+            decided.setdefault(e["name"], e["decision"])
+    healed = sorted({e["name"] for e in events if e["step"] > step and (
+        e["event"] == "heal" or e["event"] == "decision" and e.get("participating") is False)})
+    return dict(sorted(decided.items())), healed
 
 
 RULES = Rules(min_replicas=1, join_timeout=0.5, heartbeat_timeout=1.0)  # both lighthouses'
@@ -239,9 +376,9 @@ WARMUP = 30  # steady steps: from here on
 
 def failure_figures(folder: Path, torchft: bool, repeats: int, command: bool) -> dict:
     """Medians over repeats kill_and_restart runs (FAILURE_FLAGS, STEPS steps, r1 killed at
-    step KILL_AT and started again at once, forked) of the seconds to the survivor's next
-    commit and the samples skipped; of the seconds from the restart to the restarted
-    replica's first commit in these runs, or, with command, in as many runs where it starts
+    step KILL_AT and started again, forked, once r0 committed alone) of the seconds to the
+    survivor's next commit and the samples skipped and repeated (sample_use); of the
+    seconds from the restart to the restarted replica's first commit in these runs, or, with command, in as many runs where it starts
     as a command (imports included; LONG_STEPS, cut short there, so that r0 is still
     training when it comes); and the parameter gap to one uninterrupted process of the first
     run (ours: also to one process replaying its memberships, and the gap of a run of 2
@@ -263,7 +400,7 @@ def failure_figures(folder: Path, torchft: bool, repeats: int, command: bool) ->
     gap = max((runs[0]["final"][k] - reference[k]).abs().max().item() for k in reference)
     figures = {key: statistics.median([r[key] for r in runs if r[key] is not None] or [nan])
                for key in ("kill_to_next_commit_s", "start_to_first_commit_s",
-                           "samples_skipped")}
+                           "samples_skipped", "samples_repeated")}
     if not torchft:  # the gap is rounding: the run is one process replaying its memberships
         replayed = replay(flags, memberships(runs[0]["events"]))
         figures["replay_gap"] = max((runs[0]["final"][k] - replayed[k]).abs().max().item()
@@ -275,8 +412,7 @@ def failure_figures(folder: Path, torchft: bool, repeats: int, command: bool) ->
 def steady_step_seconds(folder: Path, torchft: bool) -> float:
     """The median seconds between r0's commits after WARMUP steps, two replicas and no
     failure (STEADY_FLAGS)."""
-    lighthouse = TorchftLighthouse(RULES.heartbeat_timeout, RULES.join_timeout) \
-        if torchft else None
+    lighthouse = TorchftLighthouse(folder, RULES) if torchft else None
     try:
         with Replicas(folder, STEADY_FLAGS, RULES,
                       address=lighthouse and lighthouse.address) as replicas:
