@@ -211,3 +211,12 @@ def test_a_wrong_shard_gets_what_it_missed(attempt, missed, capsys):
     check_torchft_shard(attempt)
     out = capsys.readouterr().out
     assert out.startswith("not quite: ") and missed in out and out.count("\n") == 1
+
+
+def test_a_shard_of_another_type_is_taken_and_one_that_raises_is_told_in_one_line(capsys):
+    check_torchft_shard(lambda *args: torch.tensor(padded_shard(*args)))
+    check_torchft_shard(lambda order, *rest: order[len(order)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("correct: ")
+    assert out[1].startswith("not quite: torchft_shard(0, 2, 0, 1) raised IndexError: ")
+    assert out[1].endswith("(return a list of ints)") and len(out) == 2

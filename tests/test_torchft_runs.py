@@ -17,8 +17,10 @@ AVAILABLE, WHY = torchft_runs.available()
 def test_sample_use_counts_the_places_no_commit_trained_and_those_trained_again():
     expected = Counter({("a", 0, 1): 1, ("a", 0, 2): 1, ("a", 1, 3): 1, ("b", 0, 4): 1})
     trained = Counter({("a", 0, 1): 2, ("a", 0, 2): 2, ("b", 0, 4): 1, ("b", 1, 5): 1})
-    assert sample_use(trained, expected) == {"trained": 6, "skipped": 1, "repeated": 2}
-    assert sample_use(expected, expected) == {"trained": 4, "skipped": 0, "repeated": 0}
+    assert sample_use(trained, expected) == {"trained": 6, "skipped": 1, "repeated": 2,
+                                             "expected": 4}
+    assert sample_use(expected, expected) == {"trained": 4, "skipped": 0, "repeated": 0,
+                                              "expected": 4}
 
 
 def scripted_torchft_run():
@@ -46,7 +48,7 @@ def test_a_torn_step_trains_every_participant_s_samples_and_a_healing_group_s_ar
                                 "--global-batch-size", "8"])
     # b's batch 2 went nowhere (it healed); its batch 1 is in a's committed step
     assert torchft_runs.torchft_sample_use(events, ["a", "b"], args) == {
-        "trained": 20, "skipped": 4, "repeated": 0}
+        "trained": 20, "skipped": 4, "repeated": 0, "expected": 24}
 
 
 @pytest.mark.skipif(not AVAILABLE, reason=f"torchft is not installed: {WHY}")
@@ -178,3 +180,25 @@ def test_a_torn_allreduce_is_redone_by_all_here_and_committed_by_some_groups_und
     # skipped: r1's and r2's batches at step 0 (init_sync) and r1's at step 6 (it healed)
     assert runs["torchft"]["samples_skipped"] == 3 * (32 // 3)
     assert any("quorum found" in why for _, why in runs["torchft"]["lighthouse"])
+
+
+@pytest.mark.parametrize("log,rule", [
+    ([(1, "no quorum yet: 2 of 3 healthy replicas asked: waiting up to 0.5 s for the others"),
+      (2, "quorum 17: ['r0', 'r2'] (2 of 3 healthy replicas asked; members changed)")],
+     "the join timeout"),
+    ([(1, "no quorum yet: 1 of 2 healthy replicas asked: not a majority"),
+      (2, "quorum 18: ['r0'] (1 of 1 healthy replicas asked; members changed)")],
+     "the heartbeat timeout"),
+    ([(1, "New quorum not ready, only have 1 participants, need at least half of 2 healthy "
+          "workers [1/1 participants healthy][2 heartbeating][shrink_only=false]"),
+      (2, "Valid quorum found [2/2 participants healthy][2 heartbeating][shrink_only=false]")],
+     "a request"),
+    ([(1, "Valid quorum with 2 participants, waiting for 1 healthy but not participating "
+          "stragglers due to join timeout [2/2 participants healthy][3 heartbeating]"),
+      (2, "Valid quorum found [2/2 participants healthy][3 heartbeating][shrink_only=false]")],
+     "the join timeout"),
+    ([(0.5, "quorum 16: ['r0', 'r1', 'r2'] (3 of 3 healthy replicas asked)")],
+     "no quorum formed after it")])
+def test_the_deciding_rule_is_read_from_either_lighthouse_s_log(log, rule):
+    """Ours and torchft's: asked of healthy at the quorum, against the line before it."""
+    assert torchft_runs.deciding_rule(log, after=0.9).startswith(rule)

@@ -302,6 +302,16 @@ def shard_mistake(got: Any, order: list[int], case: tuple) -> str:
             "group_rank + group_size * replica_rank")
 
 
+def _shard_of(torchft_shard: Callable[..., Any], *args: Any) -> list[int] | str:
+    """torchft_shard(*args) as a list of ints, or one line saying why it is none."""
+    try:
+        return [int(i) for i in torchft_shard(*args)]
+    except Exception as error:  # noqa: BLE001 - the student's code: told in one line
+        return (f"torchft_shard{args[1:]} raised {type(error).__name__}: "
+                f"{str(error).splitlines()[0][:150] if str(error) else ''} (return a list "
+                "of ints)")
+
+
 def check_torchft_shard(torchft_shard: Callable[..., list[int]] | None,
                         events: list[dict] | None = None, names: list[str] | None = None,
                         train_size: int = 0, batch_size: int = 0, seed: int = 0) -> None:
@@ -314,7 +324,11 @@ def check_torchft_shard(torchft_shard: Callable[..., list[int]] | None,
         size, replica_rank, groups, group_rank, group_size = case
         order = shuffled(size, sum(case))
         want = torch_shard(order, group_rank + group_size * replica_rank, group_size * groups)
-        got = torchft_shard(list(order), replica_rank, groups, group_rank, group_size)
+        got = _shard_of(torchft_shard, list(order), replica_rank, groups, group_rank,
+                        group_size)
+        if isinstance(got, str):
+            print(f"not quite: {got}")
+            return
         if got != want:
             print(f"not quite: {size} samples, replica_rank={replica_rank} of "
                   f"{groups} groups, group_rank={group_rank} of {group_size}: {got!r}, want "
@@ -322,8 +336,8 @@ def check_torchft_shard(torchft_shard: Callable[..., list[int]] | None,
             return
     attempts = [e for e in events or [] if e["event"] == "attempt"]
     for e in attempts:
-        shard = torchft_shard(shuffled(train_size, seed), names.index(e["name"]), len(names),
-                              0, 1)
+        shard = _shard_of(torchft_shard, shuffled(train_size, seed), names.index(e["name"]),
+                          len(names), 0, 1)
         batches = [shard[i:i + batch_size] for i in range(0, len(shard), batch_size)]
         if e["samples"] != batches[e["batch"] % len(batches)]:
             print(f"not quite: {e['name']}'s batch {e['batch']} in the run trained "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -212,7 +213,8 @@ def sample_use(trained: Counter, expected: Counter) -> dict[str, int]:
     the data), those no committed step trained ("skipped"), the trainings of a place already
     trained ("repeated"), and every training by a committed step ("trained")."""
     return {"trained": sum(trained.values()), "skipped": sum((expected - trained).values()),
-            "repeated": sum(n - 1 for n in trained.values() if n > 1)}
+            "repeated": sum(n - 1 for n in trained.values() if n > 1),
+            "expected": sum(expected.values())}
 
 
 def ours_sample_use(events: list[dict[str, Any]], args: Any) -> dict[str, int]:
@@ -258,7 +260,7 @@ def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
     starts its step, it is stopped (SIGSTOP) for its pause in seconds; at tear's step, its
     replica's allreduce fails after the others' finished. Returns the seconds from the kill
     to the next commit and from the restart to the first commit that replica takes part in
-    (torchft's first, healing, sends zeros); unless until_joined (then the run is cut short
+    (torchft's healing commit, which sends zeros, does not count); unless until_joined (then the run is cut short
     there), the samples used (sample_use), the exit codes, every event, and the final
     weights."""
     def target(name: str) -> tuple:
@@ -308,7 +310,8 @@ def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
     final = torch.load(replicas.folder / "r0.jsonl.pt" if torchft else args.checkpoint,
                        weights_only=True)
     return {**figures, "samples_skipped": use["skipped"], "samples_repeated": use["repeated"],
-            "samples_trained": use["trained"], "codes": codes, "events": events,
+            "samples_trained": use["trained"], "samples_expected": use["expected"],
+            "codes": codes, "events": events,
             "final": final if torchft else final["model"]}
 
 
@@ -350,6 +353,29 @@ def side_by_side(folder: Path, flags: Sequence[str], rules: Rules, names: Sequen
             if lighthouse:
                 lighthouse.close()
     return runs
+
+
+def deciding_rule(statuses: list[tuple[float, str]], after: float) -> str:
+    """Which rule let a lighthouse form its first quorum after the time `after`, read from its
+    log (ours, or torchft's Quorum status lines): each line's replicas that asked, of the
+    healthy ones, against the line before the quorum."""
+    counts = []
+    for t, what in statuses:
+        found = re.search(r"(\d+) of (\d+) healthy|\[(\d+)/\d+ participants healthy\]\[(\d+) "
+                          r"heartbeating\]", what)
+        if t > after and found:
+            asked, healthy = (int(g) for g in found.groups() if g is not None)
+            counts.append((asked, healthy))
+            if what.startswith("quorum ") or "quorum found" in what:
+                break
+    else:
+        return "no quorum formed after it"
+    (asked, healthy), before = counts[-1], counts[-2] if len(counts) > 1 else counts[-1]
+    if asked < healthy:
+        return f"the join timeout: {asked} of {healthy} healthy asked, a majority"
+    if before[1] > healthy:
+        return f"the heartbeat timeout: the dead one stopped counting, {asked} of {healthy}"
+    return f"a request: the last of {healthy} healthy asked (its collective had failed)"
 
 
 def after_torn_step(events: list[dict[str, Any]], step: int) -> tuple[dict[str, str], list]:
@@ -434,10 +460,12 @@ def steady_step_seconds(folder: Path, torchft: bool) -> float:
 def first(replicas: Replicas, names: set[str], what: str, step: int = 0,
           after: float = 0.0, size: int = 1) -> dict | None:
     """The first event `what` ("attempt", or "commit": a decision of a quorum of at least size
-    participants) of one of names at step or later, logged after the time `after`."""
+    participants, in which the replica took part: a torchft replica that heals sends zeros)
+    of one of names at step or later, logged after the time `after`."""
     for e in replicas.events():
         if e["name"] in names and e["time"] > after and e.get("step", 0) >= step and (
-                e["event"] == what or e.get("decision") == what and e["size"] >= size):
+                e["event"] == what or e.get("decision") == what and e["size"] >= size
+                and e.get("participating", True)):
             return e
     return None
 
