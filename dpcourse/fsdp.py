@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -87,13 +87,14 @@ class Unit:
     """One unit: its module, where its parameters live, and this rank's flat shard of them."""
 
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter],
-                 owners: list[list[tuple[nn.Module, str, str]]]) -> None:
+                 owners: list[list[tuple[nn.Module, str, str]]], rank: int,
+                 world: int) -> None:
         self.name, self.module, self.owners = name, module, owners
         self.shapes = [p.shape for p in params]
         self.numel = sum(p.numel() for p in params)
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         dist.broadcast(flat, src=0)  # rank 0's parameters are the ones sharded
-        self.shard = nn.Parameter(flat_shard(flat, dist.get_rank(), dist.get_world_size()))
+        self.shard = nn.Parameter(flat_shard(flat, rank, world))
         self.full: torch.Tensor | None = None  # the gathered parameters, while they exist
         self.arriving: tuple[torch.futures.Future, torch.Tensor] | None = None  # in flight
 
@@ -152,30 +153,37 @@ class _GatherUnit(torch.autograd.Function):
 
 
 class ScratchFSDP(nn.Module):
-    """Shard module's trainable parameters over the ranks of the default group, unit by unit
-    (default units: each direct child with trainable parameters; the rest is the root unit)."""
+    """Shard module's trainable parameters over group's ranks (None: all), unit by unit (default
+    units: each child with trainable parameters, the rest the root); replicate: chapter 14."""
 
     def __init__(self, module: nn.Module, units: Iterable[nn.Module] | None = None,
                  prefetch: bool = True, compute_dtype: torch.dtype | None = None,
-                 ring: bool = False) -> None:
+                 ring: bool = False, group: dist.ProcessGroup | None = None,
+                 replicate: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ScratchFSDP needs the default process group: build it in a "
                                "function run by dpcourse.launch.launch")
+        if ring and (group or replicate):
+            raise ValueError("ScratchFSDP: the ring runs over every rank, in one group")
         self.module, self.prefetch, self.ring = module, prefetch, ring
-        self.compute_dtype = compute_dtype
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.compute_dtype, self.group, self.replicate = compute_dtype, group, replicate
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._shapes = {k: t.shape for k, t in module.state_dict().items()}  # full_state_dict's
-        self.units = _build_units(module, units)
+        self.units = _build_units(module, units, self.rank, self.world)
         self.shards = nn.ParameterList([unit.shard for unit in self.units])
         for t in [*module.parameters(), *module.buffers()]:  # what is left: frozen parameters
             dist.broadcast(t, src=0)  # and buffers, rank 0's, kept whole on every rank
-        self._hooks = [hook for unit in self.units for hook in (  # removed by close()
+        self._hook_units()
+        self._guard_frozen()
+        self._start_bookkeeping()
+
+    def _hook_units(self) -> None:
+        """A forward pre-hook and a forward hook on every unit (close() removes them)."""
+        self._hooks = [hook for unit in self.units for hook in (
             unit.module.register_forward_pre_hook(partial(self._before_unit, unit),
                                                   with_kwargs=True),
             unit.module.register_forward_hook(partial(self._after_unit, unit)))]
-        self._guard_frozen()
-        self._start_bookkeeping()
 
     def _start_bookkeeping(self) -> None:
         """What the steps keep track of: gathered storages, unit order, work in flight."""
@@ -228,7 +236,7 @@ class ScratchFSDP(nn.Module):
             full.chunk(self.world)[self.rank].copy_(shard)
             future = self._thread.submit(_ring_gathered, full)
         else:
-            future = _all_gather(full, shard, async_op=True).get_future()
+            future = _all_gather(full, shard, group=self.group, async_op=True).get_future()
         unit.arriving = (future, full)
         self.timeline.collective("all-gather", unit, full, future)
 
@@ -344,8 +352,8 @@ class ScratchFSDP(nn.Module):
             future = self._thread.submit(_ring_shard, grad, self.rank, self.world)
         else:
             out = grad.new_empty(grad.numel() // self.world)
-            work = _reduce_scatter(out, grad, async_op=True)  # gloo's: no future, so the
-            future = self._thread.submit(_waited, work, out)  # helper thread waits for it
+            work = _reduce_scatter(out, grad, group=self.group, async_op=True)  # gloo's: no
+            future = self._thread.submit(_waited, work, out, self.replicate)  # future: wait
         self._reducing.append((unit, future))
         self.timeline.collective("reduce-scatter", unit, grad, future)
 
@@ -378,7 +386,7 @@ class ScratchFSDP(nn.Module):
         squares = torch.zeros((), dtype=self.shards[0].dtype, device=self.shards[0].device)
         for grad in grads:
             squares += grad.square().sum()
-        dist.all_reduce(squares)  # the local shard's norm alone is a classic mistake
+        dist.all_reduce(squares, group=self.group)  # the local shard's alone: a classic bug
         norm = squares.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's formula
         for grad in grads:
@@ -392,7 +400,7 @@ class ScratchFSDP(nn.Module):
         gathered = {}
         for unit in self.units:
             full = unit.shard.new_empty(unit.shard.numel() * self.world)
-            _all_gather(full, unit.shard.detach())
+            _all_gather(full, unit.shard.detach(), group=self.group)
             for owners, view in zip(unit.owners, unflatten(full, unit.shapes)):
                 gathered.update({name: view.cpu().clone() for _, _, name in owners})
         return {key: gathered[key] if key in gathered else
@@ -434,9 +442,10 @@ class ScratchFSDP(nn.Module):
         self.close()
 
 
-def _build_units(module: nn.Module, units: Iterable[nn.Module] | None) -> list[Unit]:
+def _build_units(module: nn.Module, units: Iterable[nn.Module] | None, rank: int,
+                 world: int) -> list[Unit]:
     """The units, each with its trainable parameters (a parameter goes to the innermost unit
-    listed that holds it; the rest to the root unit, module itself)."""
+    listed that holds it; the rest to the root unit, module itself), rank's shards of world."""
     names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
     if units is None:
         units = [m for m in module.children() if any(p.requires_grad for p in m.parameters())]
@@ -464,7 +473,7 @@ def _build_units(module: nn.Module, units: Iterable[nn.Module] | None) -> list[U
         params = [p for p in m.parameters() if p.requires_grad and claimed[id(p)] is m]
         if params:
             built.append(Unit(names[id(m)] or "(root)", m, params,
-                              [owners[id(p)] for p in params]))
+                              [owners[id(p)] for p in params], rank, world))
     for unit in built:  # the parameters leave the modules: the shards replace them
         for owners in unit.owners:
             for owner, attr, name in owners:
@@ -515,7 +524,8 @@ def _ring_shard(grad: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return grad.chunk(world)[rank].clone()  # not a view: grad is freed
 
 
-def _waited(work: dist.Work, out: torch.Tensor) -> torch.Tensor:
-    """out, once the collective work writes into has completed."""
+def _waited(work: dist.Work, out: torch.Tensor,
+            then: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """out, once the collective work writes into has completed (and then(out), given then)."""
     work.wait()
-    return out
+    return out if then is None else then(out)
