@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from dpcourse.compression import PowerSGDState, bf16_hook, powersgd_hook
 from dpcourse.ddp import ScratchDDP
 from dpcourse.fsdp import ScratchFSDP, unflatten
+from dpcourse.hsdp import scratch_hsdp
 from dpcourse.local_sgd import DiLoCo
 
 LR = 0.1
@@ -202,7 +203,7 @@ class ScratchFSDPSide(Side):
                 grads.update(dict.fromkeys(names, None))
                 continue
             shards = [torch.empty_like(unit.shard.grad) for _ in range(self.model.world)]
-            dist.all_gather(shards, unit.shard.grad.contiguous())
+            dist.all_gather(shards, unit.shard.grad.contiguous(), group=self.model.group)
             full = unflatten(torch.cat(shards), unit.shapes)
             grads.update({n: g.clone() for n, g in zip(names, full)})
         return grads
@@ -218,8 +219,19 @@ class ScratchFSDPSide(Side):
         self.opt.load_state_dict(saved["opt"])
 
 
+class ScratchHSDPSide(ScratchFSDPSide):
+    """Chapter 14's HSDP: ScratchFSDP inside groups of case["group_size"] ranks."""
+
+    def wrap(self, net: Net) -> nn.Module:
+        return scratch_hsdp(net, self.case["group_size"],
+                            compute_dtype=torch.bfloat16 if self.case["bf16"] else None)
+
+
 class FullyShardSide(ScratchFSDPSide):
     """torch's FSDP2: fully_shard on the units ScratchFSDP makes by default, then the root."""
+
+    def mesh(self) -> Any:
+        return cpu_mesh((dist.get_world_size(),))
 
     def wrap(self, net: Net) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -232,9 +244,9 @@ class FullyShardSide(ScratchFSDPSide):
         bf16 = (torch.bfloat16, torch.bfloat16) if self.case["bf16"] else (None, None)
         for child in net.children():  # bfloat16 from unit to unit; float32 out of the root
             if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, mesh=cpu_mesh(), mp_policy=MixedPrecisionPolicy(*bf16))
+                fully_shard(child, mesh=self.mesh(), mp_policy=MixedPrecisionPolicy(*bf16))
         root = MixedPrecisionPolicy(*bf16, torch.float32 if self.case["bf16"] else None)
-        return fully_shard(net, mesh=cpu_mesh(), mp_policy=root)
+        return fully_shard(net, mesh=self.mesh(), mp_policy=root)
 
     def net(self) -> nn.Module:
         return self.model
@@ -255,15 +267,23 @@ class FullyShardSide(ScratchFSDPSide):
         self.opt.load_state_dict(saved["opt"])
 
 
-_MESH: list = []
+class FullyShardHSDPSide(FullyShardSide):
+    """torch's HSDP: the same fully_shard calls on a (replicate, shard) mesh."""
+
+    def mesh(self) -> Any:
+        size = self.case["group_size"]
+        return cpu_mesh((dist.get_world_size() // size, size), ("replicate", "shard"))
 
 
-def cpu_mesh() -> Any:
-    """One device mesh over every rank, made once per process."""
-    if not _MESH:
+_MESHES: dict = {}
+
+
+def cpu_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Any:
+    """A device mesh of shape over every rank, made once per process and shape."""
+    if shape not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
-        _MESH.append(init_device_mesh("cpu", (dist.get_world_size(),)))
-    return _MESH[0]
+        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[shape]
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
@@ -289,9 +309,11 @@ class DiLoCoSide(Side):
 
 SIDES = {"scratch_ddp": ScratchDDPSide, "torch_ddp": TorchDDPSide,
          "scratch_fsdp": ScratchFSDPSide, "fully_shard": FullyShardSide,
+         "scratch_hsdp": ScratchHSDPSide, "fully_shard_hsdp": FullyShardHSDPSide,
          "diloco": DiLoCoSide}
 PAIRS = {"ddp": ("scratch_ddp", "torch_ddp"), "hooks": ("scratch_ddp", "torch_ddp"),
-         "fsdp": ("scratch_fsdp", "fully_shard"), "diloco": ("diloco", "torch_ddp")}
+         "fsdp": ("scratch_fsdp", "fully_shard"), "hsdp": ("scratch_hsdp", "fully_shard_hsdp"),
+         "diloco": ("diloco", "torch_ddp")}
 
 
 # --- running a case ---
@@ -325,7 +347,7 @@ def run_events(kind: str, case: dict) -> dict[str, Any]:
 def _init_offset(case: dict) -> int:
     """DDP-like pairs start each rank from its own weights (the wrapper broadcasts rank 0's);
     fully_shard needs the same weights on every rank."""
-    return 0 if case["pair"] == "fsdp" else 1_000 * dist.get_rank()
+    return 0 if case["pair"] in ("fsdp", "hsdp") else 1_000 * dist.get_rank()
 
 
 def run_step(side: Side, case: dict, step: int, events: dict) -> None:

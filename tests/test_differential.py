@@ -98,7 +98,7 @@ def cases(draw, pair: str, world: int) -> dict:
     """One case of pair: the model, the batches, the steps, where to checkpoint."""
     # DiLoCo's sync clears the inner gradients (its outer step uses .grad), so they never
     # accumulate across steps as DDP's do: not drawn for it
-    sequence = draw(steps(world, same_skip=pair == "fsdp", keep=pair != "diloco"))
+    sequence = draw(steps(world, same_skip=pair in ("fsdp", "hsdp"), keep=pair != "diloco"))
     case = {"pair": pair, "model": draw(models()), "seed": draw(st.integers(0, 2**16)),
             "batches": draw(st.lists(st.integers(1, 4), min_size=world, max_size=world)),
             "steps": sequence,
@@ -107,8 +107,10 @@ def cases(draw, pair: str, world: int) -> dict:
     if pair == "hooks":
         case.update(hook=draw(st.sampled_from(["bf16", "powersgd"])),
                     powersgd_rank=draw(st.integers(1, 3)), start_step=draw(st.integers(0, 2)))
-    if pair == "fsdp":
+    if pair in ("fsdp", "hsdp"):
         case["bf16"] = draw(st.booleans())
+    if pair == "hsdp":  # groups of group_size ranks: 1 x world (FSDP) to world x 1 (DDP)
+        case["group_size"] = draw(st.sampled_from([g for g in (1, 2, 3, 4) if world % g == 0]))
     return case
 
 
@@ -294,8 +296,8 @@ USED_UNDER_NO_SYNC_ONLY = {"zero_grad": "none",
 def pinned(pair: str, world: int, steps: list[dict], batches: list[int] | None = None,
            seed: int = 1, resume_after: int | None = None, **changes) -> dict:
     """A case of pair: PLAIN's model with changes (the pair's own keys go to the case)."""
-    own = {k: changes.pop(k) for k in ("hook", "powersgd_rank", "start_step", "bf16")
-           if k in changes}
+    own = {k: changes.pop(k) for k in ("hook", "powersgd_rank", "start_step", "bf16",
+                                       "group_size") if k in changes}
     unused = any(any(m["skip"]) for s in steps for m in s["micro"])
     return {"pair": pair, "model": {**PLAIN, **changes}, "seed": seed,
             "batches": batches or [2] * world, "steps": steps, "resume_after": resume_after,
@@ -355,6 +357,19 @@ def test_our_comm_hooks_do_the_same_on_scratch_ddp_and_on_torch_ddp(drawn):
 @examples(in_ci=2)
 @given(launches("fsdp"))
 def test_scratch_fsdp_trains_like_torch_fully_shard(drawn):
+    check(*drawn)
+
+
+@example((4, [pinned("hsdp", 4, [step(4), step(4, 2, "no_grad")], group_size=2, bf16=False,
+                     checkpoint="non_reentrant", checkpointed="body", resume_after=0),
+              pinned("hsdp", 4, [step(4, 2)] * 2, group_size=2, bf16=True, conv=True),
+              pinned("hsdp", 4, [step(4)], group_size=4, bf16=False),  # 1 x 4: FSDP
+              pinned("hsdp", 4, [step(4)], group_size=1, bf16=False, dropout=0.3)]))  # DDP
+@examples(in_ci=1)
+@given(launches("hsdp"))
+def test_scratch_hsdp_trains_like_torch_fully_shard_on_a_2d_mesh(drawn):
+    """Chapter 14's HSDP against torch's (fully_shard on a (replicate, shard) mesh): 2 x 2,
+    1 x g (chapter 10's FSDP) and q x 1 (DDP), micro-batches, a checkpointed block, a resume."""
     check(*drawn)
 
 
