@@ -32,11 +32,6 @@ class Replicate:
         return shard_sum.div_(self.size)
 
 
-def ring_bytes_sent(handed: float, ranks: int) -> float:
-    """The bytes each rank sends in a ring allreduce of handed bytes over ranks (chapter 03)."""
-    return 2 * (ranks - 1) / ranks * handed
-
-
 def hsdp_groups(group_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's shard group (the group_size consecutive ranks of its replica group) and its
     replicate group (the rank holding the same shard in every group). Every rank must call it,

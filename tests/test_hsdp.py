@@ -6,11 +6,17 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import hsdp_workers
-from dpcourse.hsdp import ring_bytes_sent
+from dpcourse.cost_model import AlphaBeta, ring_allreduce_cost
 from dpcourse.launch import launch
 from test_differential import examples
 
 CLOSE = {"rtol": 1e-12, "atol": 1e-12}  # float64: rounding only
+
+
+def ring_sent(handed: float, ranks: int) -> float:
+    """The bytes a rank sends in a ring allreduce of handed bytes (chapter 08's model, at one
+    second per byte and none per message)."""
+    return ring_allreduce_cost(AlphaBeta(alpha=0.0, beta=1.0), ranks).time(handed)
 
 
 @st.composite
@@ -56,7 +62,7 @@ def test_a_rank_hands_the_allreduce_across_groups_a_gth_of_what_ddp_hands_its_ow
         assert handed == 8 * sum(shards)
         padding = sum(shards) * size / numel
         assert handed / ddp == pytest.approx(padding / size, rel=1e-12)
-        on_wire = ring_bytes_sent(handed, groups) / ring_bytes_sent(ddp, groups * size)
+        on_wire = ring_sent(handed, groups) / ring_sent(ddp, groups * size)
         assert on_wire == pytest.approx((groups - 1) / (groups * size - 1) * padding, abs=1e-12)
 
 

@@ -31,10 +31,11 @@ import time
 import traceback
 import uuid
 from collections import Counter
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from math import nan
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -260,9 +261,9 @@ def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
     starts its step, it is stopped (SIGSTOP) for its pause in seconds; at tear's step, its
     replica's allreduce fails after the others' finished. Returns the seconds from the kill
     to the next commit and from the restart to the first commit that replica takes part in
-    (torchft's healing commit, which sends zeros, does not count); unless until_joined (then the run is cut short
-    there), the samples used (sample_use), the exit codes, every event, and the final
-    weights."""
+    (torchft's healing commit, which sends zeros, does not count); unless until_joined
+    (then the run is cut short there), the samples used (sample_use), the exit codes, every
+    event, and the final weights."""
     def target(name: str) -> tuple:
         torn = tear[1] if tear and tear[0] == name else None
         if torchft:
@@ -315,19 +316,33 @@ def failure_run(replicas: Replicas, names: Sequence[str], torchft: bool = False,
             "final": final if torchft else final["model"]}
 
 
+@contextmanager
+def under_lighthouse(folder: Path, flags: Sequence[str], rules: Rules,
+                     torchft: bool) -> Iterator[tuple[Replicas, Callable[[], list]]]:
+    """Replicas (folder, flags) under a lighthouse of their own with rules: ours, or
+    torchft's command; and a function that reads that lighthouse's log as (time, what)."""
+    lighthouse = TorchftLighthouse(folder, rules) if torchft else None
+    try:
+        with Replicas(folder, flags, rules, address=lighthouse and lighthouse.address) as r:
+            def log() -> list[tuple[float, str]]:
+                if lighthouse:
+                    return lighthouse.statuses()
+                started = time.time() - time.monotonic() + r.lighthouse.start_time
+                return [(started + t, what) for t, what in r.lighthouse.events]
+            yield r, log
+    finally:
+        if lighthouse:
+            lighthouse.close()
+
+
 def kill_and_restart(folder: Path, flags: list[str], torchft: bool, kill_at: int,
                      rules: Rules = Rules(), command: bool = False,
                      until_joined: bool = False) -> dict[str, Any]:
     """failure_run of two replicas, r1 killed at step kill_at and started again, under its
     own lighthouse (ours, or torchft's with the same rules)."""
-    lighthouse = TorchftLighthouse(folder, rules) if torchft else None
-    try:
-        with Replicas(folder, flags, rules, address=lighthouse and lighthouse.address) as r:
-            return failure_run(r, ["r0", "r1"], torchft, kill=("r1", kill_at),
-                               command=command, until_joined=until_joined)
-    finally:
-        if lighthouse:
-            lighthouse.close()
+    with under_lighthouse(folder, flags, rules, torchft) as (replicas, _):
+        return failure_run(replicas, ["r0", "r1"], torchft, kill=("r1", kill_at),
+                           command=command, until_joined=until_joined)
 
 
 def side_by_side(folder: Path, flags: Sequence[str], rules: Rules, names: Sequence[str],
@@ -339,19 +354,10 @@ def side_by_side(folder: Path, flags: Sequence[str], rules: Rules, names: Sequen
     for name in ("ours", "torchft") if available()[0] else ("ours",):
         where = folder / name
         where.mkdir(parents=True)
-        lighthouse = TorchftLighthouse(where, rules) if name == "torchft" else None
-        try:
-            with Replicas(where, [*flags, "--checkpoint", str(where / "ckpt.pt")], rules,
-                          address=lighthouse and lighthouse.address) as replicas:
-                runs[name] = failure_run(replicas, names, name == "torchft", **failures)
-                started = replicas.lighthouse and (  # ours: seconds since it started
-                    time.time() - time.monotonic() + replicas.lighthouse.start_time)
-                runs[name].update(signals=replicas.signals, lighthouse=lighthouse.statuses()
-                                  if lighthouse else [(started + t, what) for t, what in
-                                                      replicas.lighthouse.events])
-        finally:
-            if lighthouse:
-                lighthouse.close()
+        with under_lighthouse(where, [*flags, "--checkpoint", str(where / "ckpt.pt")], rules,
+                              name == "torchft") as (replicas, log):
+            runs[name] = failure_run(replicas, names, name == "torchft", **failures)
+            runs[name].update(signals=replicas.signals, lighthouse=log())
     return runs
 
 
@@ -404,9 +410,9 @@ def failure_figures(folder: Path, torchft: bool, repeats: int, command: bool) ->
     """Medians over repeats kill_and_restart runs (FAILURE_FLAGS, STEPS steps, r1 killed at
     step KILL_AT and started again, forked, once r0 committed alone) of the seconds to the
     survivor's next commit and the samples skipped and repeated (sample_use); of the
-    seconds from the restart to the restarted replica's first commit in these runs, or, with command, in as many runs where it starts
-    as a command (imports included; LONG_STEPS, cut short there, so that r0 is still
-    training when it comes); and the parameter gap to one uninterrupted process of the first
+    seconds from the restart to the restarted replica's first commit in these runs, or,
+    with command, in as many runs where it starts as a command (imports included;
+    LONG_STEPS, cut short there, so that r0 is still training when it comes); and the parameter gap to one uninterrupted process of the first
     run (ours: also to one process replaying its memberships, and the gap of a run of 2
     members without failures)."""
     runs, flags = [], [*FAILURE_FLAGS, "--steps", str(STEPS)]
@@ -438,20 +444,14 @@ def failure_figures(folder: Path, torchft: bool, repeats: int, command: bool) ->
 def steady_step_seconds(folder: Path, torchft: bool) -> float:
     """The median seconds between r0's commits after WARMUP steps, two replicas and no
     failure (STEADY_FLAGS)."""
-    lighthouse = TorchftLighthouse(folder, RULES) if torchft else None
-    try:
-        with Replicas(folder, STEADY_FLAGS, RULES,
-                      address=lighthouse and lighthouse.address) as replicas:
-            if torchft:
-                replicas.start_together(["r0", "r1"], torchft_replica,
-                                        {f"r{i}": (2, i) for i in (0, 1)})
-            else:
-                replicas.start_together(["r0", "r1"])
-            assert replicas.supervise(300) == {"r0": 0, "r1": 0}, replicas.outputs()
-            events = replicas.events()
-    finally:
-        if lighthouse:
-            lighthouse.close()
+    with under_lighthouse(folder, STEADY_FLAGS, RULES, torchft) as (replicas, _):
+        if torchft:
+            replicas.start_together(["r0", "r1"], torchft_replica,
+                                    {f"r{i}": (2, i) for i in (0, 1)})
+        else:
+            replicas.start_together(["r0", "r1"])
+        assert replicas.supervise(300) == {"r0": 0, "r1": 0}, replicas.outputs()
+        events = replicas.events()
     times = [e["time"] for e in events if e["name"] == "r0" and
              e.get("decision") == "commit" and e["step"] >= WARMUP]
     return statistics.median(b - a for a, b in zip(times, times[1:]))
