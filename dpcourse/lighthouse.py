@@ -17,7 +17,8 @@ a pure function of what the lighthouse heard and when. Keys, under ``lh/``:
     status              the lighthouse's loop count and why no quorum is ready (JSON)
     settings            the lighthouse's rules (JSON), which replicas read to size timeouts
     run                 what shapes the training (JSON), set by the first replica to join
-    group/QID/...       the gloo group of quorum QID (quorum.quorum_group)
+    group/QID/...       the gloo group of quorum QID (quorum.quorum_group), or of each
+                        shard of its groups' (group/QID/shard/R/..., chapter 14)
     vote/QID/STEP/...   the votes and the decision of a step (quorum.vote)
 
 The store stays small over any run: a replica that leaves, or stays silent for
@@ -143,7 +144,10 @@ class Tracker:
                 last = quorum["last"]
                 self.garbage += [f"lh/vote/{qid}/{step}/{key}" for step in (last - 1, last)
                                  for key in ("votes", "decision")]
-                self.garbage += [f"lh/group/{qid}/0/{rank}" for rank in range(quorum["size"])]
+                self.garbage += [f"lh/group/{qid}/0/{rank}" if quorum["shards"] == 1 else
+                                 f"lh/group/{qid}/shard/{shard}/0/{rank}"
+                                 for shard in range(quorum["shards"])
+                                 for rank in range(quorum["size"])]
 
     def expire(self, now: float) -> None:
         """Forget every replica silent for forget_after (if it comes back, it registers
@@ -190,7 +194,8 @@ class Tracker:
             self._answer(r, q, quorum)
             del self.requests[r], self.asked[r]
             self._done_with_quorums(r, but=self.quorum_id)
-        self.open.setdefault(self.quorum_id, {"pending": set(members), "size": len(members)})
+        self.open.setdefault(self.quorum_id, {"pending": set(members), "size": len(members),
+                                              "shards": requests[0].get("shards", 1)})
         self.open[self.quorum_id]["last"] = max(steps)  # the step its members attempt now
         self.asked = dict.fromkeys(self.asked, now)  # the others wait anew
         self.previous = members

@@ -168,14 +168,15 @@ class Membership:
                                       self.store.set("lh/wake", "")))
 
     def ask(self, step: int, qid: int, failed: bool, timeout: float,
-            waiting: Callable[[str], None] = lambda why: None) -> Quorum:
+            waiting: Callable[[str], None] = lambda why: None, shards: int = 1) -> Quorum:
         """Ask for the next quorum with this replica's version (step, qid; failed: its last
         attempt aborted) and wait up to timeout seconds for it; past PATIENCE_S, waiting(why)
         hears why none is ready each time that changes, and TimeoutError says it. RunEnded
-        if the run is over."""
+        if the run is over. shards: a group's, each with a gloo group across the quorum."""
         self.requests += 1
         me, n = self.replica_id, self.requests
-        request = json.dumps({"n": n, "step": step, "qid": qid, "failed": failed})
+        request = json.dumps({"n": n, "step": step, "qid": qid, "failed": failed,
+                              **({"shards": shards} if shards > 1 else {})})
         answer, deadline = f"lh/answer/{me}/{n}", time.monotonic() + timeout
 
         def ask() -> dict[str, Any]:

@@ -193,11 +193,11 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
 
 class EventLog:
     """Each event as a line of JSON in path (appended, flushed at once: a process killed
-    later keeps it), with the time, the pid and the replica id."""
+    later keeps it), with the time, the pid, the replica id and any fields given."""
 
-    def __init__(self, path: Path | None, replica_id: str) -> None:
+    def __init__(self, path: Path | None, replica_id: str, **fields: Any) -> None:
         self.file = open(path, "a") if path else None
-        self.fields = {"pid": os.getpid(), "replica": replica_id}
+        self.fields = {"pid": os.getpid(), "replica": replica_id, **fields}
 
     def __call__(self, event: str, **fields: Any) -> None:
         if self.file:
@@ -426,7 +426,11 @@ def training_device(choice: str) -> torch.device:
 
 def train(args: argparse.Namespace, at: Phase = lambda phase, step: None) -> Replica:
     """Train as one replica until --steps are committed; return the replica. A replica that
-    asks after the run has ended (every step committed) stops at once, with what it has."""
+    asks after the run has ended (every step committed) stops at once, with what it has.
+    Under torchrun with several processes, they train as one replica group (chapter 14)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from .ft_groups import train_group  # noqa: PLC0415 - ft_groups builds on this module
+        return train_group(args, at)
     args = argparse.Namespace(**{**vars(args), "data": resolve_source(args.data)})  # once
     if args.checkpoint:
         resume.check_writable(args.checkpoint)

@@ -127,15 +127,18 @@ class Replicas:
                 "--events", str(self.folder / f"{name}.jsonl"), *self.flags]
 
     def start(self, name: str, target: Callable[..., None] = run_replica, *extra: Any,
-              command: Sequence[str] = (), together: Any = None) -> int:
+              command: Sequence[str] = (), together: Any = None,
+              environ: dict[str, str] | None = None) -> int:
         """Start replica name (again, if it ran before), forked to run target(argv,
         environment, output file, together, *extra); or, given a command (a prefix such as
-        ``python -m dpcourse.train_ft``), as that command. Its pid."""
+        ``python -m dpcourse.train_ft``), as that command in a session of its own, with
+        environ added to its environment. Its pid."""
         out = self.folder / f"{name}.out"
         if command:
             with open(out, "ab") as f:
                 proc = subprocess.Popen([*command, *self.argv(name)], stdout=f,
-                                        stderr=subprocess.STDOUT, env=self.environment,
+                                        stderr=subprocess.STDOUT,
+                                        env={**self.environment, **(environ or {})},
                                         start_new_session=True)
         else:
             proc = self._ctx.Process(target=target, args=(self.argv(name), self.environment,
@@ -252,13 +255,15 @@ class Replicas:
         return read_events(self.folder)
 
     def close(self) -> None:
-        """End every process started (continued first if stopped), then the lighthouse."""
+        """End every process started (continued first if stopped; a command's whole session:
+        torchrun's workers too), then the lighthouse."""
         for procs in self.procs.values():
             for proc in procs:
-                if self.exit_code(proc) is None:
+                command = isinstance(proc, subprocess.Popen)
+                if self.exit_code(proc) is None or command:
                     for sig in (signal.SIGKILL, signal.SIGCONT):
                         try:
-                            os.kill(proc.pid, sig)
+                            (os.killpg if command else os.kill)(proc.pid, sig)
                         except ProcessLookupError:
                             pass
                 proc.wait() if isinstance(proc, subprocess.Popen) else proc.join()
