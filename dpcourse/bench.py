@@ -17,7 +17,8 @@ import torch
 
 from .collectives import allreduce, get_params
 from .cost_model import AlphaBeta, best_layout, cost_in_step
-from .experiments import (comm_demos, fsdp_demos, ft_runs, long_runs, nodes, performance,
+from .experiments import (comm_demos, fsdp_demos, ft_runs, group_runs, long_runs, nodes,
+                          performance,
                           torchft_runs, zero_memory)
 from .experiments.performance import FIT_FROM, FIT_TO, fit_allreduces, size_label
 from .experiments.simulated import forward_backward_seconds
@@ -518,6 +519,54 @@ def bench_long_run(quick: bool, figures: dict) -> None:
           f"ms in the first, {trips[max(trips)]:.2f} ms in the last")
 
 
+HSDP_NUMELS = {"LeNet": group_runs.LENET_NUMEL, "25M parameters": 25_000_000}
+
+
+def bench_fault_tolerant_hsdp(quick: bool, figures: dict, chapter_13: dict) -> None:
+    """Chapter 14: 2 groups of 2 ranks under torchrun, a rank killed (group_runs.
+    failure_figures, medians of 3); shard-wise recovery against a whole-state copy; the
+    steady step against plain ScratchFSDP in one group and torch's HSDP; bytes across."""
+    repeats = 1 if quick else NEVER_STOPS_REPEATS
+    rules = torchft_runs.RULES
+    print(f"\nChapter 14, fault-tolerant HSDP (load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores): 2 groups of 2 ranks, LeNet in float64, G=32, heartbeat "
+          f"timeout {rules.heartbeat_timeout:g} s, --timeout 5; g1's rank 1 SIGKILLed at step "
+          f"{group_runs.KILL_AT}, g1 started again by torchrun; medians of {repeats} run(s)")
+    with tempfile.TemporaryDirectory() as folder:
+        run = group_runs.failure_figures(Path(folder), rules, repeats)
+    figures.update(run)
+    ours_13 = chapter_13.get("ours", {}).get("kill_to_next_commit_s")
+    ratio = f" (chapter 13 in this run: {ours_13:.2f} s, x{run['kill_to_next_commit_s'] / ours_13:.2f}; " \
+        f"goal <= 1.2x: {'met' if run['kill_to_next_commit_s'] <= 1.2 * ours_13 else 'not met'})" \
+        if ours_13 else ""
+    print(f"  a rank SIGKILLed -> the other group's next commit: "
+          f"{run['kill_to_next_commit_s']:.2f} s{ratio}")
+    print(f"  the kill -> the restarted group's first commit: "
+          f"{run['kill_to_restarted_commit_s']:.2f} s (torchrun's restart, imports, joining, "
+          f"healing); its shard-wise recovery {run['shard_recovery_s'] * 1e3:.1f} ms")
+    whole = group_runs.LENET_NUMEL * 8  # LeNet's gradient in float64: what DDP hands
+    print(f"  bytes a rank hands across groups per step: {run['bytes_across']:,} (DDP over all "
+          f"4 ranks: {whole:,}, x{run['bytes_across'] / whole:.2f}); on a ring's wire "
+          f"(q-1)/(qg-1) = x{1 / 3:.2f} of DDP's")
+    numels = {"LeNet": HSDP_NUMELS["LeNet"]} if quick else HSDP_NUMELS
+    for name, numel in numels.items():
+        took = group_runs.recovery_seconds(numel, 2, repeats)
+        figures[f"recovery {name}"] = took
+        whole_s, shards_s = took["whole state from one peer"], took["shard by shard"]
+        print(f"  a group of 2 healing at {name}: whole state from one peer {whole_s * 1e3:.1f} "
+              f"ms, shard by shard {shards_s * 1e3:.1f} ms (x{whole_s / shards_s:.2f})")
+    if quick:
+        print("  steady step: not measured (--quick)")
+        return
+    steady = group_runs.steady_steps()
+    figures["steady_step_s"] = steady
+    ours = steady["train_ft, 2 groups of 2"]
+    print("  steady step (8 samples a rank): " + ", ".join(
+        f"{name} {t * 1e3:.1f} ms" + ("" if t == ours else f" (ours x{ours / t:.2f})")
+        for name, t in steady.items()) + "; goal <= 1.15x plain ScratchFSDP in one group and "
+        "torch's HSDP (4 processes share 2 cores here, a group of 2 alone does not)")
+
+
 def print_never_stops(figures: dict, step: dict[str, float], torchrun_s: float | None) -> None:
     """The issue's table: ours, torchft's, chapter 12's, and each goal."""
     ours, theirs = figures["ours"], figures.get("torchft 0.2.0")
@@ -649,6 +698,9 @@ def main(argv: list[str] | None = None) -> dict:
     laps.lap("chapter 13 rounding")
     bench_long_run(args.quick, figures["chapter_13"])
     laps.lap("chapter 13 long run")
+    bench_fault_tolerant_hsdp(args.quick, figures.setdefault("chapter_14", {}),
+                              figures["chapter_13"])
+    laps.lap("chapter 14")
     print(f"\nThe benchmark took {sum(laps.values()):.0f} s: "
           + ", ".join(f"{name} {t:.0f} s" for name, t in laps.items()))
     if args.json is not None:

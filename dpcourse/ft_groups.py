@@ -56,6 +56,18 @@ def group_share(n: int, global_batch: int, groups: int, group: int, size: int, r
     return mine[rank * len(mine) // size:(rank + 1) * len(mine) // size]
 
 
+def shard_gradients(sums: list[list[torch.Tensor]], global_batch: int) -> list[list[torch.Tensor]]:
+    """The gradient path, written out in one process: sums[i][r] is the flat gradient sum of
+    rank r of group i over its samples (every one the same length, a multiple of the group
+    size g). Each group's sums are reduce-scattered (rank r: the sum of shard r, the r-th of g
+    chunks), shard r's sums allreduced across the groups, and divided by G: rank r of every
+    group gets shard r of the global batch's mean gradient."""
+    size = len(sums[0])
+    scattered = [[sum(s.chunk(size)[r] for s in group) for r in range(size)] for group in sums]
+    across = [sum(group[r] for group in scattered) for r in range(size)]
+    return [[shard / global_batch for shard in across] for _ in sums]
+
+
 def shard_sources(steps: list[int], qids: list[int], shard: int) -> dict[int, int]:
     """Shard-wise recovery of one shard: for each group behind (by place in the quorum, its
     version (steps[i], qids[i]) not the largest), the place of the up-to-date group whose rank

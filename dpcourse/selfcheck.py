@@ -349,6 +349,31 @@ def check_never_stops() -> str:
     return "2 replicas, gloo" + (", cuda:0 (gloo sums CPU copies)" if gpu else ", cpu")
 
 
+def check_fault_tolerant_hsdp() -> str:
+    """Chapter 14: two groups of 2 ranks, each under torchrun, and a lighthouse on this
+    machine, in float64; rank 1 of g1 is killed in its forward at step 3, torchrun starts g1
+    again, it heals shard by shard, and the run ends within 1e-12 of one process."""
+    from .experiments.ft_runs import EXACT, Replicas
+    from .experiments.group_runs import final_state, one_process_run, start_group
+    from .lighthouse import Rules
+    with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as folder:
+        flags = ["--steps", "8", "--global-batch-size", "16", "--train-size", "160",
+                 "--checkpoint", f"{folder}/ckpt.pt", "--device", "cpu", *EXACT]
+        with Replicas(Path(folder), flags, Rules(min_replicas=2)) as replicas:
+            start_group(replicas, "g0", 2)
+            start_group(replicas, "g1", 2, restarts=1, faults=[
+                {"rank": 1, "step": 3, "phase": "forward", "how": "kill"}])
+            codes = replicas.supervise(180)
+            healed = any(e["event"] == "heal" for e in replicas.events())
+        final = final_state(Path(folder) / "ckpt.pt", flags)
+    _, reference = one_process_run(flags)
+    gap = max((final[k] - reference[k]).abs().max().item() for k in reference)
+    if codes != {"g0": 0, "g1": 0} or not healed or not gap <= 1e-12:
+        raise AssertionError(f"exit codes {codes}, healed {healed}, off by {gap:.1e} from one "
+                             "process")
+    return "2 groups of 2 ranks under torchrun, gloo, cpu"
+
+
 LOCAL = [Check("00", "tensors to each device and back", check_tensors),
          Check("01", "profile_steps and LeNet's output on 2 devices", check_profile),
          Check("02", "one SGD step of LeNet on each of 2 devices", check_sgd_step),
@@ -358,7 +383,9 @@ LOCAL = [Check("00", "tensors to each device and back", check_tensors),
                check_data_parallel)]
 LATER = [Check("12", "2 processes resumed on 1: within 1e-12 in float64", check_elastic),
          Check("12", "2 nodes: a worker killed, both restart and resume", check_two_nodes),
-         Check("13", "2 replicas, one killed and healed: as one process", check_never_stops)]
+         Check("13", "2 replicas, one killed and healed: as one process", check_never_stops),
+         Check("14", "2 groups of 2, a rank killed, its group healed: as one process",
+               check_fault_tolerant_hsdp)]
 
 
 def rank_rows(world_size: int = 2, checks: list[RankCheck] | None = None

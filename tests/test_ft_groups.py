@@ -193,7 +193,7 @@ def test_two_groups_of_two_train_as_one_process_each_shard_equal_in_both():
     assert_every_sample_kept(events)
     assert_each_shard_equal_in_every_group(events)
     assert not [e for e in events if e["event"] in ("failed", "heal", "broken")]
-    reference = one_process_run(FLAGS)
+    _, reference = one_process_run(FLAGS)
     assert max((final[k] - reference[k]).abs().max().item() for k in reference) <= CLOSE
 
 
@@ -233,7 +233,7 @@ def test_groups_keep_every_sample_and_end_as_one_process_whatever_fails(schedule
         if e["event"] == "end":
             ends[e["rank"]].add(e["digest"])
     assert all(len(d) == 1 for d in ends.values()), f"ranks end with different shards {ends}"
-    reference = one_process_run(FLAGS)
+    _, reference = one_process_run(FLAGS)
     gap = max((final[k] - reference[k]).abs().max().item() for k in reference)
     aborts = {(e["qid"], e["step"]) for e in events if e.get("decision") == "abort"}
     print(f"\n{schedule}: {len(aborts)} attempt(s) aborted, "
@@ -260,7 +260,7 @@ def test_a_sharded_checkpoint_resumes_at_another_group_size(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("ckpt.pt*")) == [
         "ckpt.pt", *(f"ckpt.pt.step12.rank{r}-of-3" for r in range(3)),
         "ckpt.pt.step6.rank0-of-2", "ckpt.pt.step6.rank1-of-2"]  # the set it replaced kept
-    reference = one_process_run([*FLAGS, "--steps", "12"])
+    _, reference = one_process_run([*FLAGS, "--steps", "12"])
     final = final_state(tmp_path / "ckpt.pt", short)
     assert max((final[k] - reference[k]).abs().max().item() for k in reference) <= CLOSE
 

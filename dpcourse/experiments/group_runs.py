@@ -15,6 +15,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections import defaultdict
@@ -29,7 +30,8 @@ from .. import train_ft
 from ..data import fashion_mnist
 from ..elastic import rank_indices
 from ..ft_groups import read_manifest, shard_files
-from ..fsdp import unflatten
+from ..fsdp import ScratchFSDP, unflatten
+from ..hsdp import scratch_hsdp
 from ..launch import exit_without_shutdown, launch
 from ..lenet import lenet_layers
 from ..lighthouse import Rules
@@ -93,23 +95,86 @@ def final_state(path: Path, flags: Sequence[str]) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def one_process_run(flags: Sequence[str]) -> dict[str, torch.Tensor]:
+def one_process_run(flags: Sequence[str]) -> tuple[list[float], dict[str, torch.Tensor]]:
     """train_ft's run (its flags) uninterrupted in this process on chapter 10's LeNet layers,
-    written out without train_ft: each global batch's mean loss, backward, SGD; the final
-    weights."""
+    written out without train_ft: each global batch's mean loss, backward, SGD; the losses
+    before each step, and the final weights."""
     args = train_ft.parse_args(["--lighthouse", "unused:0", *flags])
     data = fashion_mnist("train", args.train_size, environment()["DPCOURSE_DATA"])
     dtype = getattr(torch, args.dtype)
     model = lenet_layers(args.seed).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    losses = []
     for step in range(args.steps):
         X, y = data[rank_indices(len(data), args.global_batch_size, 1, 0, step, args.seed)]
         opt.zero_grad()
-        F.cross_entropy(model(X.to(dtype)), y).backward()
+        loss = F.cross_entropy(model(X.to(dtype)), y)
+        losses.append(loss.item())
+        loss.backward()
         for group in opt.param_groups:
             group["lr"] = train_ft.learning_rate(args, step)
         opt.step()
-    return model.state_dict()
+    return losses, model.state_dict()
+
+
+def per_rank(events: list[dict[str, Any]], global_batch: int) -> list[dict[str, Any]]:
+    """The events as chapter 13's timeline reads them: one row per group and rank ("g1 r0"),
+    each commit with the global batch's loss (its ranks' loss sums added, divided by G)."""
+    sums = defaultdict(float)
+    for e in events:
+        if e.get("decision") == "commit":
+            sums[e["qid"], e["step"]] += e["loss_sum"]
+    return [{**e, "name": f"{e['name']} r{e['rank']}",
+             **({"loss": sums[e["qid"], e["step"]] / global_batch}
+                if e.get("decision") == "commit" else {})} for e in events]
+
+
+def restarts(events: list[dict[str, Any]]) -> list[tuple[float, str, str]]:
+    """(time, "gI rR", "started") for each rank's start after its first (torchrun's
+    restarts), as Replicas notes signals."""
+    firsts, noted = set(), []
+    for e in (e for e in events if e["event"] == "start"):
+        row = f"{e['name']} r{e['rank']}"
+        if row in firsts:
+            noted.append((e["time"], row, "started"))
+        firsts.add(row)
+    return noted
+
+
+def _hsdp_pair(steps: int, global_batch: int) -> dict[str, Any]:
+    """On each of 4 ranks: chapter 10's LeNet layers in float64 trained steps SGD steps on
+    this rank's quarter of each global batch, as scratch_hsdp over groups of 2 and as torch's
+    fully_shard on a (2, 2) mesh; the largest gap between the two, and our bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = fashion_mnist("train", 256)
+    ours, theirs = scratch_hsdp(lenet_layers(0).double(), 2), lenet_layers(0).double()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in [m for m in theirs if list(m.parameters())] + [theirs]:
+        fully_shard(layer, mesh=mesh)
+    for model in (ours, theirs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(steps):
+            X, y = data[rank_indices(len(data), global_batch, world, rank, step, 0)]
+            opt.zero_grad()
+            F.cross_entropy(model(X.double()), y).backward()
+            opt.step()
+    full = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+    mine = ours.full_state_dict()
+    return {"gap": max((mine[k] - full[k]).abs().max().item() for k in full),
+            "across": ours.replicate.bytes_handed // steps,
+            "whole": sum(u.numel for u in ours.units) * 8}
+
+
+def hsdp_against_torch(steps: int = 3, global_batch: int = 32) -> dict[str, Any]:
+    """scratch_hsdp (2 groups of 2) against torch's fully_shard on a 2-D mesh, on 4 processes
+    (_hsdp_pair): the largest parameter gap on any rank, the bytes a rank hands across
+    groups per step and DDP's (the whole gradient)."""
+    results = launch(_hsdp_pair, steps, global_batch, world_size=4, timeout=300)
+    return {"gap": max(r["gap"] for r in results), "across": results[0]["across"],
+            "whole": results[0]["whole"]}
+
 
 
 def attempts(events: list[dict[str, Any]]) -> dict[tuple[int, int], list[dict]]:
@@ -171,6 +236,7 @@ def recovery_seconds(numel: int, size: int = 2, repeats: int = 3) -> dict[str, f
 
 BENCH_FLAGS = ("--steps", "150", "--global-batch-size", "32", "--dtype", "float64",
                "--timeout", "5", "--checkpoint-every", "1000")
+LENET_NUMEL = sum(p.numel() for p in lenet_layers(0).parameters())  # 129,068
 KILL_AT, BENCH_PACE = 20, 0.04  # g1's rank 1 killed at step 20; g0 still training when
 # torchrun has started g1 again (150 steps at 40 ms more each)
 
@@ -178,7 +244,8 @@ KILL_AT, BENCH_PACE = 20, 0.04  # g1's rank 1 killed at step 20; g0 still traini
 def failure_figures(folder: Path, rules: Rules, repeats: int) -> dict[str, float]:
     """2 groups of 2 ranks (BENCH_FLAGS, LeNet): g1's rank 1 SIGKILLed from outside at step
     KILL_AT, g1 started again by torchrun; medians over repeats runs of the seconds from the
-    kill to g0's next commit (both its ranks decided), to the restarted g1's first commit,
+    kill to g0's next commit (of a step after the killed rank's last commit, decided by both
+    its ranks), to the restarted g1's first commit,
     and of its ranks' shard-wise recovery, and the bytes a rank hands across groups a step."""
     runs = defaultdict(list)
     for i in range(repeats):
@@ -196,13 +263,16 @@ def failure_figures(folder: Path, rules: Rules, repeats: int) -> dict[str, float
             events = replicas.events()
         if codes != {"g0": 0, "g1": 0}:
             raise RuntimeError(f"the groups exited {codes}:\n{replicas.outputs()}")
-        later = [e for e in events if e["time"] > killed]
+        last = max(e["step"] for e in events if e["pid"] == worker
+                   and e.get("decision") == "commit")  # the killed rank's last commit
+        later = [e for e in events if e["time"] > killed and e.get("step", -1) > last]
         runs["kill_to_next_commit_s"].append(_commit_time(later, lambda e: e["name"] == "g0")
                                              - killed)
-        restarted = {e["pid"] for e in later if e["name"] == "g1" and e["event"] == "start"}
+        after = [e for e in events if e["time"] > killed]
+        restarted = {e["pid"] for e in after if e["name"] == "g1" and e["event"] == "start"}
         runs["kill_to_restarted_commit_s"].append(
-            _commit_time(later, lambda e: e["pid"] in restarted) - killed)
-        runs["shard_recovery_s"].append(max(e["seconds"] for e in later if e["event"] == "heal"))
+            _commit_time(after, lambda e: e["pid"] in restarted) - killed)
+        runs["shard_recovery_s"].append(max(e["seconds"] for e in after if e["event"] == "heal"))
         runs["bytes_across"].append(max(e["bytes_across"] for e in events
                                         if e.get("decision") == "commit"))
     return {key: statistics.median(values) for key, values in runs.items()}
@@ -226,3 +296,54 @@ def _waited_for(found: Any, timeout: float) -> Any:
             raise TimeoutError(f"nothing found within {timeout:g} s")
         time.sleep(0.02)
     return value
+
+
+def _steady_step(kind: str, steps: int, per_rank: int) -> float:
+    """On each rank: chapter 10's LeNet layers in float64, per_rank samples a step, wrapped as
+    kind ("scratch_hsdp": groups of 2; "torch HSDP": fully_shard on a (world // 2, 2) mesh;
+    "ScratchFSDP": one group); the median seconds of a step over the last 3/4."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data, model = fashion_mnist("train", 640), lenet_layers(0).double()
+    if kind == "scratch_hsdp":
+        model = scratch_hsdp(model, 2)
+    elif kind == "ScratchFSDP":
+        model = ScratchFSDP(model)
+    else:
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        for layer in [m for m in model if list(m.parameters())] + [model]:
+            fully_shard(layer, mesh=mesh)
+    opt, seconds = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), []
+    for step in range(steps):
+        X, y = data[rank_indices(len(data), per_rank * world, world, rank, step, 0)]
+        start = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(X.double()), y, reduction="sum").backward()
+        opt.step()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[steps // 4:])
+
+
+def steady_steps(steps: int = 60, per_rank: int = 8) -> dict[str, float]:
+    """Seconds of a steady step (medians), per_rank samples on each rank: train_ft's groups (2
+    of 2, no failure), scratch_hsdp and torch's HSDP on the same 4 processes, and plain
+    ScratchFSDP on one group of 2."""
+    flags = ["--steps", str(steps), "--global-batch-size", str(4 * per_rank), "--dtype",
+             "float64", "--timeout", "5", "--momentum", "0.9"]
+    with tempfile.TemporaryDirectory() as folder:
+        with Replicas(Path(folder), flags, Rules(min_replicas=2)) as replicas:
+            for name in ("g0", "g1"):
+                start_group(replicas, name, 2)
+            codes = replicas.supervise(300)
+            events = replicas.events()
+    if codes != {"g0": 0, "g1": 0}:
+        raise RuntimeError(f"the groups exited {codes}")
+    commits = sorted(e["time"] for e in events if e["name"] == "g0" and e["rank"] == 0
+                     and e.get("decision") == "commit")
+    gaps = [b - a for a, b in zip(commits, commits[1:])]
+    found = {"train_ft, 2 groups of 2": statistics.median(gaps[len(gaps) // 4:])}
+    for kind, world in (("scratch_hsdp", 4), ("torch HSDP", 4), ("ScratchFSDP", 2)):
+        found[kind] = launch(_steady_step, kind, steps, per_rank, world_size=world,
+                             timeout=300)[0]
+    return found
