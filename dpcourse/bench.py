@@ -18,8 +18,7 @@ import torch
 from .collectives import allreduce, get_params
 from .cost_model import AlphaBeta, best_layout, cost_in_step
 from .experiments import (comm_demos, fsdp_demos, ft_runs, group_runs, long_runs, nodes,
-                          performance,
-                          torchft_runs, zero_memory)
+                          performance, torchft_hsdp, torchft_runs, zero_memory)
 from .experiments.performance import FIT_FROM, FIT_TO, fit_allreduces, size_label
 from .experiments.simulated import forward_backward_seconds
 from .experiments.throughput import (ALLREDUCES, NO_ALLREDUCE, bus_bandwidth, busy_processes,
@@ -548,6 +547,22 @@ def bench_fault_tolerant_hsdp(quick: bool, figures: dict, chapter_13: dict) -> N
     print(f"  bytes a rank hands across groups per step: {run['bytes_across']:,} (DDP over all "
           f"4 ranks: {whole:,}, x{run['bytes_across'] / whole:.2f}); on a ring's wire "
           f"(q-1)/(qg-1) = x{1 / 3:.2f} of DDP's")
+    print(f"  samples of the run skipped {run['samples_skipped']:.0f}, trained twice "
+          f"{run['samples_repeated']:.0f}; parameter gap to one process {run['gap']:.1e}")
+    ok, why = torchft_runs.available()
+    if ok and not quick:
+        with tempfile.TemporaryDirectory() as folder:
+            flags = list(group_runs.BENCH_FLAGS)
+            theirs = torchft_hsdp.figures(torchft_hsdp.run_groups(
+                Path(folder), flags, group_runs.KILL_AT, pace=group_runs.BENCH_PACE), flags)
+        figures["torchft 0.2.0"] = theirs
+        print(f"  torchft 0.2.0's FT-HSDP, the same run and kill (one run): the other group's "
+              f"next commit {theirs['kill_to_next_commit_s']:.2f} s, the restarted group's "
+              f"first commit {theirs['kill_to_restarted_commit_s']:.2f} s, samples skipped "
+              f"{theirs['samples']['skipped']} and trained twice {theirs['samples']['repeated']}"
+              f" of {theirs['samples']['expected']}, gap {theirs['gap']:.1e}")
+    else:
+        print(f"  torchft's FT-HSDP: not measured ({'--quick' if ok else why})")
     numels = {"LeNet": HSDP_NUMELS["LeNet"]} if quick else HSDP_NUMELS
     for name, numel in numels.items():
         took = group_runs.recovery_seconds(numel, 2, repeats)

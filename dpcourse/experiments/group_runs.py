@@ -37,6 +37,7 @@ from ..lenet import lenet_layers
 from ..lighthouse import Rules
 from ..recovery import receive_state, send_state
 from .ft_runs import Replicas, environment
+from .torchft_runs import ours_sample_use
 
 PHASES = ("quorum", "forward", "reduce-scatter", "allreduce", "vote", "serve")
 
@@ -245,13 +246,15 @@ def failure_figures(folder: Path, rules: Rules, repeats: int) -> dict[str, float
     """2 groups of 2 ranks (BENCH_FLAGS, LeNet): g1's rank 1 SIGKILLed from outside at step
     KILL_AT, g1 started again by torchrun; medians over repeats runs of the seconds from the
     kill to g0's next commit (of a step after the killed rank's last commit, decided by both
-    its ranks), to the restarted g1's first commit,
+    its ranks), to the restarted g1's first commit, the samples skipped and trained twice,
+    the gap to one uninterrupted process,
     and of its ranks' shard-wise recovery, and the bytes a rank hands across groups a step."""
     runs = defaultdict(list)
     for i in range(repeats):
         run = folder / f"groups-{i}"
         run.mkdir()
-        with Replicas(run, BENCH_FLAGS, rules) as replicas:
+        flags = [*BENCH_FLAGS, "--checkpoint", str(run / "ckpt.pt")]
+        with Replicas(run, flags, rules) as replicas:
             for name in ("g0", "g1"):
                 start_group(replicas, name, 2, restarts=1, pace=BENCH_PACE)
             worker = _waited_for(lambda: next((e["pid"] for e in replicas.events() if
@@ -275,7 +278,25 @@ def failure_figures(folder: Path, rules: Rules, repeats: int) -> dict[str, float
         runs["shard_recovery_s"].append(max(e["seconds"] for e in after if e["event"] == "heal"))
         runs["bytes_across"].append(max(e["bytes_across"] for e in events
                                         if e.get("decision") == "commit"))
+        use = ours_sample_use(events, train_ft.parse_args(["--lighthouse", "x:0", *flags]))
+        runs["samples_skipped"].append(use["skipped"])
+        runs["samples_repeated"].append(use["repeated"])
+        final, (_, reference) = final_state(run / "ckpt.pt", flags), one_process_run(flags)
+        runs["gap"].append(max((final[k] - reference[k]).abs().max().item() for k in reference))
     return {key: statistics.median(values) for key, values in runs.items()}
+
+
+def kill_figures(events: list[dict[str, Any]], killed: float, worker: int) -> dict[str, float]:
+    """Seconds from a rank's kill (at time killed, its pid worker, in g1) to g0's next commit
+    of a step after the killed rank's last, and to the first commit that g1, started again,
+    takes part in (not while it heals: torchft's healing commit sends zeros)."""
+    last = max(e["step"] for e in events if e["pid"] == worker and e.get("decision") == "commit")
+    after = [e for e in events if e["time"] > killed and e.get("decision") == "commit"]
+    started = {e["pid"] for e in events if e["event"] == "start" and e["time"] > killed}
+    return {"kill_to_next_commit_s": min(e["time"] for e in after if e["name"] == "g0"
+                                         and e["step"] > last) - killed,
+            "kill_to_restarted_commit_s": min(e["time"] for e in after if e["pid"] in started
+                                              and e.get("participating", True)) - killed}
 
 
 def _commit_time(events: list[dict[str, Any]], chosen: Any) -> float:
