@@ -424,7 +424,14 @@ def train_group(args: argparse.Namespace, at: Phase = lambda phase, step: None) 
     committed; return its state. A collective inside the group that fails ends the process
     (exit code 1): torchrun starts the whole group again."""
     args = argparse.Namespace(**{**vars(args), "data": resolve_source(args.data)})
-    device = training_device(args.device)
+    device, ranks = training_device(args.device), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.type == "cuda" and torch.cuda.device_count() < ranks:  # a GPU each, or none
+        if args.device == "cuda":
+            raise ValueError(f"--device cuda: {ranks} ranks on this host and "
+                             f"{torch.cuda.device_count()} GPU(s); each rank needs its own")
+        print(f"{torch.cuda.device_count()} GPU(s) for {ranks} ranks here: training on the CPU",
+              flush=True)
+        device = torch.device("cpu")
     where = resume.join_arguments(timedelta(seconds=args.quorum_timeout))  # this round's own
     dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
                             timeout=timedelta(seconds=INSIDE * args.timeout), **where)

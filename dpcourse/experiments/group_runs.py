@@ -172,7 +172,8 @@ def hsdp_against_torch(steps: int = 3, global_batch: int = 32) -> dict[str, Any]
     """scratch_hsdp (2 groups of 2) against torch's fully_shard on a 2-D mesh, on 4 processes
     (_hsdp_pair): the largest parameter gap on any rank, the bytes a rank hands across
     groups per step and DDP's (the whole gradient)."""
-    results = launch(_hsdp_pair, steps, global_batch, world_size=4, timeout=300)
+    results = launch(_hsdp_pair, steps, global_batch, world_size=4, backend="gloo",
+                     timeout=300)
     return {"gap": max(r["gap"] for r in results), "across": results[0]["across"],
             "whole": results[0]["whole"]}
 
@@ -231,7 +232,8 @@ def _copy_seconds(numel: int, size: int, repeats: int) -> dict[str, list[float]]
 def recovery_seconds(numel: int, size: int = 2, repeats: int = 3) -> dict[str, float]:
     """Medians of _copy_seconds, the two copies alternated: a group of size ranks healing from
     one peer's whole state, or shard by shard from the ranks of an up-to-date group."""
-    seconds = launch(_copy_seconds, numel, size, repeats, world_size=2 * size, timeout=600)[0]
+    seconds = launch(_copy_seconds, numel, size, repeats, world_size=2 * size, backend="gloo",
+                     timeout=600)[0]
     return {name: statistics.median(s) for name, s in seconds.items()}
 
 
@@ -366,5 +368,5 @@ def steady_steps(steps: int = 60, per_rank: int = 8) -> dict[str, float]:
     found = {"train_ft, 2 groups of 2": statistics.median(gaps[len(gaps) // 4:])}
     for kind, world in (("scratch_hsdp", 4), ("torch HSDP", 4), ("ScratchFSDP", 2)):
         found[kind] = launch(_steady_step, kind, steps, per_rank, world_size=world,
-                             timeout=300)[0]
+                             backend="gloo", timeout=300)[0]
     return found
