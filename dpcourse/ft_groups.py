@@ -255,12 +255,11 @@ class GroupSteps:
             if quorum.max_step < quorum.seen and self.reload(quorum):
                 continue
             silences = self.membership.silences if self.membership else 0
-            ready = self.attempt(quorum)
-            self.at("vote", state.step)
+            ready = self.attempt(quorum) and self.still_ready(quorum)
             decision = self.decide(quorum, agree(ready)[0], silences)
             self.log("decision", qid=quorum.id, step=state.step, size=quorum.size,
-                     samples=self.samples, decision=decision, loss_sum=self.loss_sum,
-                     bytes_across=self.bytes_across)
+                     samples=self.samples, decision=decision, ready=ready,
+                     loss_sum=self.loss_sum, bytes_across=self.bytes_across)
             if decision == "commit":
                 state.commit(quorum.id)
                 self.committed(quorum)
@@ -269,6 +268,17 @@ class GroupSteps:
                 self.abort(quorum)
             self.watchdog.pet()
         bar.close()
+
+    def still_ready(self, quorum: Quorum) -> bool:
+        """Whether nothing failed on this rank between its allreduce and the vote (at
+        "vote": a failure there is this rank's alone; the others' collectives have ended)."""
+        try:
+            self.at("vote", self.state.step)
+        except RuntimeError as error:
+            self.log("failed", qid=quorum.id, step=self.state.step,
+                     error=str(error).splitlines()[0][:300])
+            return False
+        return True
 
     def decide(self, quorum: Quorum, ready: bool, silences: int) -> str:
         """The group's vote, rank 0's (ready: every rank of the group is), and the decision

@@ -9,11 +9,12 @@ while it serves a shard to a group that heals), killed (SIGKILL) or stopped for 
 shorter than --timeout, longer (the other groups go on without its group), or longer than a
 collective inside its group waits (its group-mates exit), the group started again by
 torchrun or not. An explicit example adds a torn allreduce across groups (ended on the
-others, failed on one rank). The property,
+others, failed on one rank) and a rank failing alone between its allreduce and the vote. The property,
 from what each rank logged: a group without a failure never restarts; every step is
 committed exactly once (twice only if every group of its quorum died and the checkpoint was
 used), by ranks whose samples are disjoint and make up global batch s, every rank acting on
-one decision (a group votes once all its ranks are ready); after each commit, each shard is bitwise equal in every group; a healed shard is
+one decision, and none committing a step it was not ready for (a group votes once all its
+ranks are ready); after each commit, each shard is bitwise equal in every group; a healed shard is
 its source's, bitwise; the final parameters are within 1e-12 of one uninterrupted process;
 nothing is left running.
 
@@ -155,6 +156,9 @@ def assert_every_sample_kept(events: list[dict]) -> None:
     assert all(len(d) == 1 for d in decisions.values()), (
         f"ranks of one attempt acted on different decisions: "
         f"{ {k: d for k, d in decisions.items() if len(d) > 1} }")
+    unready = {(e["qid"], e["step"], e["replica"], e["rank"]) for e in events
+               if e.get("decision") == "commit" and not e["ready"]}
+    assert not unready, f"ranks committed steps they were not ready for: {sorted(unready)}"
     ended = {e["replica"] for e in events if e["event"] == "end"}
     for step in range(STEPS):
         commits = sorted(q for (q, s), d in decisions.items() if s == step and "commit" in d)
@@ -208,8 +212,9 @@ def test_two_groups_of_two_train_as_one_process_each_shard_equal_in_both():
 @example(schedule={"groups": 2, "least": 1, "failures": [  # stopped past the timeout as its
     failure(1, 0, 3, "reduce-scatter", "stop", pause=5.0),  # backward starts; killed at its
     failure(0, 1, 13, "quorum", restart=False)]})  # quorum, not restarted: g1 finishes alone
-@example(schedule={"groups": 2, "least": 2, "failures": [  # a torn allreduce across groups:
-    failure(1, 1, 4, "allreduce", "fail")]})  # ended on the others, failed on g1's rank 1
+@example(schedule={"groups": 2, "least": 2, "failures": [  # a torn allreduce across groups
+    failure(1, 1, 4, "allreduce", "fail"),  # (ended on the others, failed on g1's rank 1), and
+    failure(0, 1, 7, "vote", "fail")]})  # g0's rank 1 failing alone after every allreduce
 def test_groups_keep_every_sample_and_end_as_one_process_whatever_fails(schedule):
     note(f"schedule: {schedule}")
     with tempfile.TemporaryDirectory(prefix="groups-") as folder:

@@ -70,7 +70,7 @@ def faulty(faults: list[dict], pace: float = 0.0) -> train_ft.Phase:
             time.sleep(pace)
         for fault in [f for f in pending if f["phase"] == phase and step >= f["step"]]:
             pending.remove(fault)
-            if fault["how"] == "fail":  # in "allreduce": a torn collective, ended elsewhere
+            if fault["how"] == "fail":  # "allreduce": torn, ended elsewhere; "vote": alone
                 raise RuntimeError(f"injected: {phase} failed on this rank alone")
             if fault["how"] == "stop":
                 subprocess.Popen(["sh", "-c", f"sleep {fault['pause']}; kill -CONT {os.getpid()}"],
