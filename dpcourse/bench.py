@@ -531,6 +531,11 @@ def bench_fault_tolerant_hsdp(quick: bool, figures: dict, chapter_13: dict) -> N
           f"{os.cpu_count()} cores): 2 groups of 2 ranks, LeNet in float64, G=32, heartbeat "
           f"timeout {rules.heartbeat_timeout:g} s, --timeout 5; g1's rank 1 SIGKILLed at step "
           f"{group_runs.KILL_AT}, g1 started again by torchrun; medians of {repeats} run(s)")
+    if quick:
+        print("  failures, samples and torchft: not measured with --quick (about 90 s): run the "
+              "full benchmark")
+        bench_hsdp_recovery(quick, repeats, figures)
+        return
     with tempfile.TemporaryDirectory() as folder:
         run = group_runs.failure_figures(Path(folder), rules, repeats)
     figures.update(run)
@@ -563,16 +568,7 @@ def bench_fault_tolerant_hsdp(quick: bool, figures: dict, chapter_13: dict) -> N
               f" of {theirs['samples']['expected']}, gap {theirs['gap']:.1e}")
     else:
         print(f"  torchft's FT-HSDP: not measured ({'--quick' if ok else why})")
-    numels = {"LeNet": HSDP_NUMELS["LeNet"]} if quick else HSDP_NUMELS
-    for name, numel in numels.items():
-        took = group_runs.recovery_seconds(numel, 2, repeats)
-        figures[f"recovery {name}"] = took
-        whole_s, shards_s = took["whole state from one peer"], took["shard by shard"]
-        print(f"  a group of 2 healing at {name}: whole state from one peer {whole_s * 1e3:.1f} "
-              f"ms, shard by shard {shards_s * 1e3:.1f} ms (x{whole_s / shards_s:.2f})")
-    if quick:
-        print("  steady step: not measured (--quick)")
-        return
+    bench_hsdp_recovery(quick, repeats, figures)
     steady = group_runs.steady_steps()
     figures["steady_step_s"] = steady
     ours = steady["train_ft, 2 groups of 2"]
@@ -580,6 +576,18 @@ def bench_fault_tolerant_hsdp(quick: bool, figures: dict, chapter_13: dict) -> N
         f"{name} {t * 1e3:.1f} ms" + ("" if t == ours else f" (ours x{ours / t:.2f})")
         for name, t in steady.items()) + "; goal <= 1.15x plain ScratchFSDP in one group and "
         "torch's HSDP (4 processes share 2 cores here, a group of 2 alone does not)")
+
+
+def bench_hsdp_recovery(quick: bool, repeats: int, figures: dict) -> None:
+    """Chapter 14: a group of 2 healing shard by shard against a whole-state copy (LeNet, and
+    25M parameters unless quick)."""
+    numels = {"LeNet": HSDP_NUMELS["LeNet"]} if quick else HSDP_NUMELS
+    for name, numel in numels.items():
+        took = group_runs.recovery_seconds(numel, 2, repeats)
+        figures[f"recovery {name}"] = took
+        whole_s, shards_s = took["whole state from one peer"], took["shard by shard"]
+        print(f"  a group of 2 healing at {name}: whole state from one peer {whole_s * 1e3:.1f} "
+              f"ms, shard by shard {shards_s * 1e3:.1f} ms (x{whole_s / shards_s:.2f})")
 
 
 def print_never_stops(figures: dict, step: dict[str, float], torchrun_s: float | None) -> None:

@@ -185,22 +185,6 @@ def assert_each_shard_equal_in_every_group(events: list[dict]) -> None:
     assert not differ, f"(quorum, step, rank): groups holding different shards {differ}"
 
 
-def test_two_groups_of_two_train_as_one_process_each_shard_equal_in_both():
-    """No failure: every step committed once by both groups with the whole global batch;
-    rank r's shard bitwise equal in both groups after every step; within 1e-12 of one
-    process (float64)."""
-    schedule = {"groups": 2, "least": 2, "failures": []}
-    with tempfile.TemporaryDirectory(prefix="groups-") as folder:
-        run, events, _ = run_schedule(Path(folder), schedule, report=print)
-        final = final_state(Path(folder) / "ckpt.pt", flags(Path(folder)))
-    assert run["codes"] == {"g0": 0, "g1": 0}
-    assert_every_sample_kept(events)
-    assert_each_shard_equal_in_every_group(events)
-    assert not [e for e in events if e["event"] in ("failed", "heal", "broken")]
-    _, reference = one_process_run(FLAGS)
-    assert max((final[k] - reference[k]).abs().max().item() for k in reference) <= CLOSE
-
-
 @examples(in_ci=0)
 @given(schedule=schedules())
 @example(schedule={"groups": 2, "least": 2, "failures": [  # a rank killed in its forward and
@@ -275,7 +259,9 @@ def test_under_torchrun_a_group_whose_rank_died_is_started_again_and_heals_shard
     """README's commands: the lighthouse apart (--min-replicas 2: g0 waits for g1), each group
     `torchrun --standalone --nproc_per_node=2 --max-restarts=1 -m dpcourse.train_ft`. g1's
     rank 1 is killed from outside at step 10; torchrun starts g1 again, whose ranks heal
-    shard by shard from g0's (no durable checkpoint after step 0), and both end equal."""
+    shard by shard from g0's (no durable checkpoint before the end), and both end equal:
+    every step once with the whole global batch, each shard bitwise equal in both groups
+    after every commit, within 1e-12 of one process."""
     port = free_port()
     lighthouse = subprocess.Popen([sys.executable, "-m", "dpcourse.lighthouse", "--port",
                                    str(port), "--min-replicas", "2"], stdout=subprocess.DEVNULL)
@@ -309,6 +295,11 @@ def test_under_torchrun_a_group_whose_rank_died_is_started_again_and_heals_shard
         if e["event"] == "end":
             ends[e["rank"]].add(e["digest"])
     assert [len(ends[r]) for r in range(SIZE)] == [1, 1]  # each shard ends equal in both
+    assert_every_sample_kept(events)
+    assert_each_shard_equal_in_every_group(events)
+    _, reference = one_process_run(FLAGS)
+    final = final_state(tmp_path / "ckpt.pt", flags(tmp_path))
+    assert max((final[k] - reference[k]).abs().max().item() for k in reference) <= CLOSE
 
 
 @given(versions=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2)), min_size=1,
