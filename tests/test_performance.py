@@ -163,8 +163,10 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
     zero = {stage: {"seconds_per_step": 0.01, "optimizer_state_bytes": [8, 4],
                     "gradient_bytes": [4, 2]} for stage in ("ddp", "zero1", "zero2")}
     monkeypatch.setattr(zero_memory, "compare_zero", lambda *a, **k: zero)
-    for section in ("bench_fsdp", "bench_comm"):  # chapters 10-11: CI's bench --quick runs them
-        monkeypatch.setattr(bench, section, lambda _, figures: figures.update(ran=True))
+    for section in ("bench_fsdp", "bench_comm", "bench_never_stops", "bench_rounding",
+                    "bench_long_run", "bench_fault_tolerant_hsdp"):  # chapters 10-14: CI's
+        monkeypatch.setattr(bench, section,  # bench --quick runs them
+                            lambda _, figures, *chapter_13: figures.update(ran=True))
     path, table = tmp_path / "bench.json", tmp_path / "sweep.csv"
     bench.main(["--quick", "--repeats", "1", "--batch-size", "8", "--json", str(path),
                 "--csv", str(table)])
@@ -177,7 +179,8 @@ def test_bench_json_has_every_section(tmp_path, monkeypatch, sweep, anatomy, buc
     assert float(row["fastest_s"]) == sweep["memcpy"][NUMELS[-1]][0]
     assert figures["quick"] is True
     for section in ("forward_backward_s", "train_batch_s", "simulated_allreduce", "allreduce_s",
-                    "chapter_07", "chapter_08", "chapter_09", "chapter_10", "chapter_11"):
+                    "chapter_07", "chapter_08", "chapter_09", "chapter_10", "chapter_11",
+                    "chapter_13", "chapter_14"):
         assert figures[section], section
     assert figures["chapter_09"] == zero
     assert set(figures["allreduce_s"]) == {"2", "4"}
